@@ -1,0 +1,1 @@
+"""RL algorithms: advantage estimators, policy losses, KL, loss aggregation, off-policy correction."""

@@ -1,0 +1,161 @@
+"""Advantage estimators: ``impl(batch, **params) -> (advantages [B, R], returns [B, R])``.
+
+Every estimator reads the per-token rewards of :func:`token_level_rewards` (the scalar reward on the last
+response token unless the batch carries ``token_rewards``, e.g. after an in-reward KL penalty) and returns
+tensors that are 0 outside ``batch.response_mask``. Conventions follow verl's ``core_algos.py``:
+
+- a sequence's score is the sum of its token rewards;
+- group statistics use the *unbiased* std (``torch.std``), and epsilon is added to the std, not the variance:
+  ``(s - mean) / (std + eps)``;
+- a group of size 1 has mean 0 and std 1 (so its advantage is its score), RLOO leaves a lone score as is;
+- batch whitening (REINFORCE++, GAE) is ``(x - mean) * rsqrt(var + 1e-8)`` with the unbiased variance over the
+  masked tokens (:func:`~milehpc.algorithms.aggregation.masked_whiten`).
+
+All-equal rewards in a group give advantages of exactly 0, never NaN.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from milehpc.algorithms.aggregation import masked_whiten
+
+if TYPE_CHECKING:
+    import torch
+
+    from milehpc.rollout.batch import Batch
+
+
+def token_level_rewards(batch: Batch) -> torch.Tensor:
+    """``[B, R]`` rewards per token: ``batch.token_rewards`` if set, else the scalar reward on the last
+    response token (verl's outcome-reward layout)."""
+    import torch
+
+    if batch.token_rewards is not None:
+        return batch.token_rewards
+    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    rows = torch.nonzero(batch.response_lengths > 0).squeeze(-1)
+    last = batch.response_lengths[rows] - 1
+    out[rows, last] = batch.rewards[rows].to(out.dtype)
+    return out
+
+
+def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: its group's mean, unbiased std and size. A group of one has mean 0 and std 1 (verl)."""
+    import torch
+
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    s = scores.to(torch.float64)  # the sums below stay exact enough for hand-checked tests
+    count = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, torch.ones_like(s))
+    total = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, s)
+    mean = total / count
+    sq = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, (s - mean[inverse]).square())
+    std = (sq / (count - 1).clamp(min=1)).sqrt()
+    lone = count == 1
+    mean = torch.where(lone, torch.zeros_like(mean), mean)
+    std = torch.where(lone, torch.ones_like(std), std)
+    return (mean[inverse].to(scores.dtype), std[inverse].to(scores.dtype), count[inverse].to(scores.dtype))
+
+
+def _per_token(seq_values: torch.Tensor, batch: Batch) -> torch.Tensor:
+    return seq_values.unsqueeze(-1) * batch.response_mask
+
+
+def grpo(batch: Batch, epsilon: float = 1e-6, norm_by_std: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: ``(s - mean_g) / (std_g + epsilon)``; with ``norm_by_std = false`` just ``s - mean_g`` (Dr. GRPO,
+    https://arxiv.org/abs/2503.20783). verl: ``compute_grpo_outcome_advantage``."""
+    scores = token_level_rewards(batch).sum(-1)
+    mean, std, _ = group_stats(scores, batch.group_ids)
+    adv = (scores - mean) / (std + epsilon) if norm_by_std else scores - mean
+    adv = _per_token(adv, batch)
+    return adv, adv
+
+
+def rloo(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (https://arxiv.org/abs/2402.14740): ``s_i - mean of the other samples of the group``
+    ``= (s_i - mean_g) * n / (n - 1)``; a lone sample keeps its score (verl)."""
+    import torch
+
+    scores = token_level_rewards(batch).sum(-1)
+    mean, _, n = group_stats(scores, batch.group_ids)
+    adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), scores)
+    adv = _per_token(adv, batch)
+    return adv, adv
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_{t+1}``, the running return reset where the mask is 0 (verl's REINFORCE++)."""
+    import torch
+
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return returns
+
+
+def reinforce_pp(batch: Batch, gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (https://arxiv.org/abs/2501.03262): discounted returns whitened over the whole batch."""
+    mask = batch.response_mask
+    returns = discounted_returns(token_level_rewards(batch), mask, gamma)
+    adv = masked_whiten(returns, mask) * mask
+    return adv, returns
+
+
+def reinforce_pp_baseline(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: subtract the group mean, then whiten over the batch (verl:
+    ``compute_reinforce_plus_plus_baseline_outcome_advantage``)."""
+    mask = batch.response_mask
+    scores = token_level_rewards(batch).sum(-1)
+    mean, _, _ = group_stats(scores, batch.group_ids)
+    adv = masked_whiten(_per_token(scores - mean, batch), mask) * mask
+    return adv, adv
+
+
+def gae(batch: Batch, gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE with a critic (https://arxiv.org/abs/1506.02438): ``delta_t = r_t + gamma V_{t+1} - V_t``,
+    ``A_t = delta_t + gamma lam A_{t+1}``, masked tokens skipped (their value and TD error do not propagate),
+    ``returns = A + V``, then ``A`` whitened over the batch (verl: ``compute_gae_advantage_return``)."""
+    import torch
+
+    if batch.values is None:
+        raise ValueError("the gae estimator needs batch.values (a critic)")
+    rewards = token_level_rewards(batch)
+    values = batch.values.to(rewards.dtype)
+    mask = batch.response_mask.to(rewards.dtype)
+    next_value = torch.zeros_like(rewards[:, 0])
+    last_gae = torch.zeros_like(rewards[:, 0])
+    adv = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        new_gae = delta + gamma * lam * last_gae
+        m = mask[:, t]
+        next_value = values[:, t] * m + (1 - m) * next_value
+        last_gae = new_gae * m + (1 - m) * last_gae
+        adv[:, t] = last_gae
+    returns = adv + values
+    return masked_whiten(adv, mask) * mask, returns * mask
+
+
+def distill(batch: Batch, coef: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation: the per-token advantage is the negative reverse-KL estimate
+    ``coef * (log pi_teacher - log pi_student)`` on the student's own samples (discount 0), where the student's
+    logprobs are ``batch.old_logprobs`` if computed, else the rollout engine's."""
+    if batch.teacher_logprobs is None:
+        raise ValueError("the distill estimator needs batch.teacher_logprobs (a teacher)")
+    student = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+    if student is None:
+        raise ValueError("the distill estimator needs the student's logprobs (old or rollout)")
+    adv = coef * (batch.teacher_logprobs - student).detach() * batch.response_mask
+    return adv, adv
+
+
+def none(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """No advantage (zeros): for losses that ignore it, such as SFT."""
+    import torch
+
+    zeros = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    return zeros, zeros

@@ -1,0 +1,213 @@
+"""The algorithm a job spec's ``[algorithm]`` table selects: an advantage estimator and a policy loss (both
+plugins, by name, with validated params) plus the KL, entropy, critic and off-policy terms around them.
+
+Typical use on a trainer rank (one optimizer step, any number of micro-batches and DP ranks)::
+
+    algo = Algorithm.from_job(job)
+    metrics = algo.compute_advantages(batch)           # fills batch.advantages / batch.returns
+    tokens = allreduce_sum(batch.num_tokens)            # global counts of the whole step
+    seqs = allreduce_sum(batch.num_seqs)
+    for mb in batch.split(micro_batch_size):
+        logits = model(mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids).logits
+        loss, m = algo.loss(mb.response_logprobs(logits), mb, entropy=mb.response_entropy(logits),
+                            global_tokens=tokens, global_seqs=seqs, dp_size=dp)
+        loss.backward()                                 # sum over micro-batches; DDP averages over ranks
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from milehpc.algorithms.aggregation import Aggregator, masked_mean
+from milehpc.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from milehpc.config.job import AlgorithmSpec, JobSpec
+    from milehpc.rollout.batch import Batch
+
+# Estimator params that default to the [algorithm] table's own fields when the plugin declares them.
+_SHARED_PARAMS = ("gamma", "lam")
+
+
+def _resolve(kind: str, name: str, params: dict[str, Any], *, file: str | None, field_name: str,
+             ) -> tuple[Any, Callable[..., Any], dict[str, Any]]:
+    from milehpc import plugins
+    from milehpc.config.schema import check_params
+
+    spec = plugins.lookup(kind, name, file=file, field=f"algorithm.{field_name}")
+    plugins.check_requires(spec, f"{kind} '{name}'")
+    values = check_params(spec.defaults, params, file=file, prefix=f"algorithm.{field_name}_params")
+    return spec, spec.load(), values
+
+
+def _check_range(params: dict[str, Any], key: str, ok: Callable[[float], bool], expect: str, *,
+                 file: str | None, prefix: str) -> None:
+    if key in params and params[key] is not None and not ok(params[key]):
+        raise ConfigError(f"expected {expect}, got {params[key]!r}", file=file, field=f"{prefix}.{key}")
+
+
+@dataclass
+class Algorithm:
+    """Advantage estimator + policy loss + KL / entropy / value / off-policy terms (see the module doc)."""
+
+    spec: AlgorithmSpec
+    advantage_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    advantage_params: dict[str, Any]
+    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, float]]]
+    loss_params: dict[str, Any]
+    needs_critic: bool = False
+    needs_teacher: bool = False
+    horizon: float | None = None
+    names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def needs_ref(self) -> bool:
+        """A reference policy's logprobs are needed (``batch.ref_logprobs``) when a KL term is on."""
+        return self.spec.kl_coef > 0
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """More than one optimizer pass per batch needs the pre-update logprobs recomputed by the trainer."""
+        return self.spec.ppo_epochs > 1
+
+    @classmethod
+    def from_spec(cls, spec: AlgorithmSpec, file: str | None = None, *, horizon: int | None = None) -> Algorithm:
+        """Look up and validate the plugins named by ``spec`` (unknown names and bad params are one-line
+        :class:`~milehpc.errors.PluginError` / :class:`~milehpc.errors.ConfigError`). ``horizon`` is the
+        seq-mean-token-sum-norm divisor when ``spec.loss_agg_horizon`` is 0 (pass rollout.max_new_tokens)."""
+        adv_params = dict(spec.advantage_params)
+        adv_entry, adv_fn, adv_values = _resolve("advantage", spec.advantage, adv_params, file=file,
+                                                 field_name="advantage")
+        for key in _SHARED_PARAMS:
+            if key in adv_entry.defaults and key not in adv_params:
+                adv_values[key] = getattr(spec, key)
+        _, loss_fn, loss_values = _resolve("loss", spec.loss, dict(spec.loss_params), file=file,
+                                           field_name="loss")
+        prefix = "algorithm.loss_params"
+        _check_range(loss_values, "clip_low", lambda v: 0 <= v < 1, "a value in [0, 1)", file=file, prefix=prefix)
+        _check_range(loss_values, "clip_high", lambda v: v >= 0, "a value >= 0", file=file, prefix=prefix)
+        _check_range(loss_values, "clip_ratio_c", lambda v: v == 0 or v > 1, "0 (off) or a value > 1",
+                     file=file, prefix=prefix)
+        _check_range(adv_values, "epsilon", lambda v: v >= 0, "a value >= 0", file=file,
+                     prefix="algorithm.advantage_params")
+        return cls(
+            spec=spec, advantage_fn=adv_fn, advantage_params=adv_values, loss_fn=loss_fn, loss_params=loss_values,
+            needs_critic=bool(getattr(adv_entry, "needs_critic", False)),
+            needs_teacher=bool(getattr(adv_entry, "needs_teacher", False)),
+            horizon=float(spec.loss_agg_horizon or horizon) if (spec.loss_agg_horizon or horizon) else None,
+            names={"advantage": spec.advantage, "loss": spec.loss},
+        )
+
+    @classmethod
+    def from_job(cls, job: JobSpec, file: str | None = None) -> Algorithm:
+        return cls.from_spec(job.algorithm, file, horizon=job.rollout.max_new_tokens)
+
+    # -- advantages ----------------------------------------------------------------------------------------
+
+    def compute_advantages(self, batch: Batch) -> dict[str, float]:
+        """Fill ``batch.advantages`` and ``batch.returns`` (and ``batch.token_rewards`` when the KL penalty
+        goes in the reward). Returns metrics."""
+        import torch
+
+        from milehpc.algorithms.advantages import group_stats, token_level_rewards
+        from milehpc.algorithms.kl import kl_penalty
+
+        spec = self.spec
+        mask = batch.response_mask
+        metrics: dict[str, float] = {}
+        if spec.kl_in_reward and spec.kl_coef > 0:
+            if batch.ref_logprobs is None:
+                raise ValueError("kl_in_reward needs batch.ref_logprobs (a reference policy)")
+            policy = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+            if policy is None:
+                raise ValueError("kl_in_reward needs the policy's logprobs (old or rollout)")
+            kl = kl_penalty(policy, batch.ref_logprobs, spec.kl_type) * mask
+            batch.token_rewards = token_level_rewards(batch) - spec.kl_coef * kl
+            metrics["reward/kl_penalty"] = float(masked_mean(kl, mask))
+        if self.needs_critic and batch.values is None:
+            raise ValueError(f"advantage '{self.names.get('advantage')}' needs batch.values (a critic)")
+        with torch.no_grad():
+            adv, ret = self.advantage_fn(batch, **self.advantage_params)
+        batch.advantages, batch.returns = adv.detach(), ret.detach()
+        rows = mask.sum(-1) > 0
+        _, std, size = group_stats(batch.rewards, batch.group_ids)
+        metrics.update({
+            "reward/mean": float(batch.rewards[rows].mean()) if rows.any() else 0.0,
+            "advantages/mean": float(masked_mean(adv, mask)),
+            "advantages/abs_mean": float(masked_mean(adv.abs(), mask)),
+            "advantages/max": float(adv[mask > 0].max()) if mask.any() else 0.0,
+            "advantages/min": float(adv[mask > 0].min()) if mask.any() else 0.0,
+            # Groups whose rewards are all equal give no signal to group-relative estimators.
+            "advantages/zero_std_fraction": float(((std == 0) & (size > 1)).float().mean()),
+        })
+        return metrics
+
+    # -- loss ----------------------------------------------------------------------------------------------
+
+    def aggregator(self, *, global_tokens: float | None = None, global_seqs: float | None = None,
+                   dp_size: int = 1) -> Aggregator:
+        return Aggregator(self.spec.loss_agg_mode, global_tokens, global_seqs, dp_size, self.horizon)
+
+    def loss(self, logprobs: torch.Tensor, batch: Batch, *, entropy: torch.Tensor | None = None,
+             values: torch.Tensor | None = None, global_tokens: float | None = None,
+             global_seqs: float | None = None, dp_size: int = 1) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch, to ``backward()``. ``logprobs`` (``[B, R]``) are the current policy's
+        on ``batch``'s response tokens; ``entropy`` (``[B, R]``) adds the entropy bonus and metric; ``values``
+        (``[B, R]``, the critic's current predictions) adds the clipped value loss. ``global_tokens`` /
+        ``global_seqs`` are the counts of the whole optimizer step over all DP ranks and ``dp_size`` the DP
+        world size: then the DP-mean of the gradients equals the gradient of the single-rank loss of the union
+        (see :mod:`milehpc.algorithms.aggregation`), and so does the DP-mean of the returned loss values.
+        Without ``batch.old_logprobs`` the old policy is the current one, detached (one step per batch)."""
+        from milehpc.algorithms.kl import kl_penalty
+        from milehpc.algorithms.losses import value_loss
+        from milehpc.algorithms.off_policy import importance_weights
+
+        spec = self.spec
+        mask = batch.response_mask.to(logprobs.dtype)
+        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        agg = self.aggregator(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size)
+        metrics: dict[str, float] = {}
+        pg_agg = agg
+        if spec.off_policy_correction != "none":
+            if batch.rollout_logprobs is None:
+                raise ValueError(f"off_policy_correction = {spec.off_policy_correction!r} needs the rollout "
+                                 "engine's logprobs (batch.rollout_logprobs)")
+            weights, m = importance_weights(old, batch.rollout_logprobs, mask, spec.off_policy_correction,
+                                            spec.off_policy_level, spec.off_policy_cap)
+            pg_agg = agg.with_weights(weights)
+            metrics.update(m)
+        advantages = batch.advantages
+        if advantages is None:
+            if self.names.get("loss") != "sft":
+                raise ValueError("batch.advantages is not set: call compute_advantages(batch) first")
+            advantages = logprobs.new_zeros(logprobs.shape)
+        pg_loss, m = self.loss_fn(logprobs, old, advantages, mask, pg_agg, **self.loss_params)
+        metrics.update(m)
+        metrics["actor/pg_loss"] = float(pg_loss.detach())
+        total = pg_loss
+        if entropy is not None:
+            ent = agg(entropy, mask)
+            metrics["actor/entropy"] = float(masked_mean(entropy.detach(), mask))
+            if spec.entropy_coef:
+                total = total - spec.entropy_coef * ent
+        if spec.kl_coef > 0 and not spec.kl_in_reward:
+            if batch.ref_logprobs is None:
+                raise ValueError("kl_coef > 0 needs batch.ref_logprobs (a reference policy)")
+            kl = kl_penalty(logprobs, batch.ref_logprobs, spec.kl_type)
+            kl_loss = agg(kl, mask)
+            metrics["actor/kl_loss"] = float(kl_loss.detach())
+            metrics["actor/kl"] = float(masked_mean(kl.detach(), mask))
+            total = total + spec.kl_coef * kl_loss
+        if values is not None:
+            if batch.returns is None or batch.values is None:
+                raise ValueError("the value loss needs batch.returns and batch.values (old critic values)")
+            v_loss, m = value_loss(values, batch.returns, batch.values, mask, agg, spec.value_clip)
+            metrics.update(m)
+            metrics["critic/value_loss"] = float(v_loss.detach())
+            total = total + spec.value_coef * v_loss
+        metrics["loss"] = float(total.detach())
+        return total, metrics

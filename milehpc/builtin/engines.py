@@ -1,0 +1,15 @@
+"""Built-in rollout engines: the reference engine (HF transformers, plain PyTorch; CPU default)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from milehpc.hookspecs import hookimpl
+from milehpc.plugin_types import RolloutEngine
+
+
+@hookimpl
+def milehpc_rollout_engines() -> Iterator[RolloutEngine]:
+    yield RolloutEngine(name="reference", impl="milehpc.rollout.reference:from_context",
+                        description="HF-transformers sampler with KV cache (CPU default; runs on GPUs too)",
+                        defaults={"partial_chunk": 0, "max_filter_rounds": 4}, requires=("torch", "transformers"))

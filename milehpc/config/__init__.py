@@ -1,0 +1,1 @@
+"""Job specs and sites: models, loading, overrides, validation."""

@@ -1,0 +1,216 @@
+"""The job spec: one TOML file that says what to train, how, where and for how long."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from milehpc.config.schema import opt
+from milehpc.errors import ConfigError
+
+NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+TIME = r"(\d+-)?\d{1,2}:\d{2}:\d{2}|\d+"  # Slurm: [D-]HH:MM:SS or minutes
+ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+
+
+@dataclass
+class ModelSpec:
+    arch: Literal["qwen2", "llama"] = opt("qwen2", help="HF architecture family (Llama/Qwen2 shapes)")
+    path: str | None = opt(None, help="local HF checkpoint folder; unset = build a random model from this table")
+    tokenizer: str = opt("toy", help="'toy' (the task's character vocabulary) or a local tokenizer folder")
+    hidden_size: int = opt(128, min=8)
+    num_layers: int = opt(2, min=1)
+    num_heads: int = opt(4, min=1)
+    num_kv_heads: int = opt(2, min=1)
+    intermediate_size: int = opt(256, min=1)
+    max_position_embeddings: int = opt(256, min=8)
+    vocab_size: int | None = opt(None, min=1, help="unset = the tokenizer's size")
+    num_experts: int = opt(0, min=0, help="> 0 makes the MLP a mixture of experts")
+    moe_top_k: int = opt(2, min=1)
+    tie_word_embeddings: bool = opt(False)
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"expected num_heads ({self.num_heads}) to be a multiple of num_kv_heads, got {self.num_kv_heads}",
+                file=file, field=f"{prefix}.num_kv_heads",
+            )
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"expected hidden_size ({self.hidden_size}) to be a multiple of num_heads, got {self.num_heads}",
+                file=file, field=f"{prefix}.num_heads",
+            )
+
+
+@dataclass
+class RolloutSpec:
+    engine: str = opt("reference", pattern=NAME, expect="an engine name", help="rollout engine plugin")
+    engines: int = opt(1, min=1, help="number of engine instances")
+    gpus_per_engine: int = opt(1, min=1, help="GPUs (ranks) per engine; on CPU sites, ranks per engine")
+    generator: str | None = opt(None, help="custom generation plugin (multi-turn / agentic)")
+    generator_params: dict[str, Any] = opt({})
+    prompts_per_step: int = opt(16, min=1)
+    n_samples: int = opt(8, min=1, help="samples per prompt (the group size)")
+    temperature: float = opt(1.0, min=0.0)
+    top_p: float = opt(1.0, min=0.0, max=1.0)
+    top_k: int = opt(0, min=0, help="0 = off")
+    max_new_tokens: int = opt(16, min=1)
+    stop: list[str] = opt([], help="stop strings")
+    over_sample: float = opt(1.0, min=1.0, help="generate this many times the groups needed (dynamic filter)")
+    dynamic_filter: bool = opt(False, help="drop groups whose rewards are all equal")
+    partial_rollout: bool = opt(False, help="carry unfinished samples to the next step")
+    options: dict[str, Any] = opt({}, help="engine-specific options (e.g. SGLang server args, speculative decoding)")
+
+
+@dataclass
+class TrainerSpec:
+    backend: str = opt("torch", pattern=NAME, expect="a trainer name")
+    tp: int = opt(1, min=1, help="tensor parallel size")
+    pp: int = opt(1, min=1, help="pipeline parallel size")
+    dp: int = opt(1, min=1, help="data parallel size; trainer ranks = tp * pp * dp")
+    ep: int = opt(1, min=1, help="expert parallel size (MoE)")
+    micro_batch_size: int = opt(8, min=1)
+    lr: float = opt(1e-4, min=0.0)
+    min_lr: float = opt(0.0, min=0.0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = opt("constant")
+    warmup_steps: int = opt(0, min=0)
+    weight_decay: float = opt(0.0, min=0.0)
+    adam_beta1: float = opt(0.9, min=0.0, max=1.0)
+    adam_beta2: float = opt(0.999, min=0.0, max=1.0)
+    adam_eps: float = opt(1e-8, min=0.0)
+    clip_grad: float = opt(1.0, min=0.0, help="0 = no clipping")
+    distributed_optimizer: bool = opt(False)
+    precision: Literal["fp32", "bf16", "fp8"] = opt("fp32", help="bf16/fp8 use transformer-engine on GPUs")
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = opt("delayed")
+    sft_warmup_steps: int = opt(0, min=0, help="supervised steps on the task's labels before RL")
+    sft_lr: float | None = opt(None, min=0.0)
+    options: dict[str, Any] = opt({})
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class AlgorithmSpec:
+    advantage: str = opt("grpo", pattern=NAME, expect="an advantage estimator name")
+    advantage_params: dict[str, Any] = opt({})
+    loss: str = opt("ppo_clip", pattern=NAME, expect="a policy loss name")
+    loss_params: dict[str, Any] = opt({})
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
+        "token-mean"
+    )
+    kl_coef: float = opt(0.0, min=0.0)
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl", "mse"] = opt("k3")
+    kl_in_reward: bool = opt(False)
+    entropy_coef: float = opt(0.0)
+    off_policy_correction: Literal["none", "tis", "mis"] = opt("none")
+    off_policy_level: Literal["token", "sequence"] = opt("token")
+    off_policy_cap: float = opt(2.0, min=1.0)
+    ppo_epochs: int = opt(1, min=1)
+    gamma: float = opt(1.0, min=0.0, max=1.0)
+    lam: float = opt(1.0, min=0.0, max=1.0)
+    value_clip: float = opt(0.5, min=0.0, help="critic value-loss clip range (0 = off)")
+    value_coef: float = opt(1.0, min=0.0, help="weight of the critic's value loss when it shares the step")
+    loss_agg_horizon: int = opt(0, min=0, help="seq-mean-token-sum-norm divisor; 0 = rollout.max_new_tokens")
+
+
+@dataclass
+class RewardSpec:
+    name: str = opt("", help="reward plugin name or 'module:function'; empty = the task's own reward")
+    params: dict[str, Any] = opt({})
+    timeout_s: float = opt(60.0, min=0.0, help="per call of an async reward; 0 = no limit")
+    max_concurrency: int = opt(64, min=1, help="async reward calls in flight at once")
+
+
+@dataclass
+class DataSpec:
+    source: str = opt("task:sort", help="'task:NAME' (a generated task) or a local JSONL file")
+    params: dict[str, Any] = opt({}, help="the task's parameters")
+    prompt_key: str = opt("prompt")
+    label_key: str = opt("label")
+    chat_template: bool = opt(False)
+    shuffle: bool = opt(True)
+    seed: int = opt(0)
+
+
+@dataclass
+class ResourcesSpec:
+    nodes: int | None = opt(None, min=1, help="unset = as many as the plan needs")
+    time: str = opt("01:00:00", pattern=TIME, expect="a Slurm time [D-]HH:MM:SS")
+    partition: str | None = opt(None, pattern=NAME, expect="a partition name of the site")
+    colocate: bool = opt(False, help="every rank is both trainer and rollout (shares GPUs)")
+    collective_timeout_s: float = opt(600.0, min=1.0)
+    use: list[str] = opt([], pattern=NAME, expect="a named resource of the site (e.g. nvme)",
+                         help="named site resources to request, e.g. ['nvme'] on frontier-like")
+    mail_user: str | None = opt(None, pattern=r"[A-Za-z0-9_.+-]+@[A-Za-z0-9.-]+", expect="an e-mail address")
+
+
+@dataclass
+class ContainerSpec:
+    image: str | None = opt(None, help="path of the .sif image; unset = no container")
+    runtime: str = opt("apptainer", pattern=NAME, expect="a container runtime name")
+    binds: list[str] = opt([])
+    env: dict[str, str] = opt({})
+    flags: list[str] = opt([])
+
+
+@dataclass
+class CheckpointSpec:
+    dir: str | None = opt(None, help="unset = RUN_DIR/checkpoints")
+    interval_steps: int = opt(0, min=0, help="0 = only at the end and on signal")
+    interval_minutes: float = opt(0.0, min=0.0)
+    keep: int = opt(2, min=1)
+    max_restarts: int = opt(3, min=0)
+    signal_lead_s: int = opt(120, min=10, help="seconds before the time limit at which Slurm signals the job")
+    resume: bool = opt(True)
+
+
+@dataclass
+class RunSpec:
+    steps: int = opt(100, min=1)
+    loop: Literal["sync", "one_step_off", "async"] = opt("sync")
+    max_staleness: int = opt(1, min=0, help="async: drop samples older than this many weight versions")
+    stale_policy: Literal["drop", "correct"] = opt("drop")
+    update_weights_interval: int = opt(1, min=1)
+    seed: int = opt(0)
+    run_dir: str | None = opt(None, help="unset = runs/<name>")
+    dir_mode: str = opt("0700", pattern=r"0?[0-7]{3}", expect="an octal mode like 0700")
+    dump_rollouts: bool = opt(True)
+    check_logprobs: bool = opt(False, help="after each sync compare engine and trainer logprobs")
+    eval_every: int = opt(0, min=0)
+    target_reward: float | None = opt(None, help="stop early once the mean reward reaches this")
+
+
+@dataclass
+class JobSpec:
+    name: str = opt(pattern=NAME, expect="a job name of letters, digits, '.', '_', '-'")
+    description: str = opt("")
+    model: ModelSpec = opt(ModelSpec)
+    rollout: RolloutSpec = opt(RolloutSpec)
+    trainer: TrainerSpec = opt(TrainerSpec)
+    algorithm: AlgorithmSpec = opt(AlgorithmSpec)
+    reward: RewardSpec = opt(RewardSpec)
+    data: DataSpec = opt(DataSpec)
+    resources: ResourcesSpec = opt(ResourcesSpec)
+    container: ContainerSpec = opt(ContainerSpec)
+    checkpoint: CheckpointSpec = opt(CheckpointSpec)
+    run: RunSpec = opt(RunSpec)
+    env: dict[str, str] = opt({}, help="extra environment for every rank")
+    site: dict[str, Any] = opt({}, help="overrides of the site's partition values (same keys as a site partition)")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        import re
+
+        for key in self.env:
+            if not re.fullmatch(ENV_NAME, key):
+                raise ConfigError(f"expected an environment variable name, got {key!r}", file=file, field="env")
+        if self.resources.colocate:
+            rollout = self.rollout.engines * self.rollout.gpus_per_engine
+            if rollout != self.trainer.ranks:
+                raise ConfigError(
+                    f"colocated: expected rollout.engines * rollout.gpus_per_engine ({rollout}) to equal "
+                    f"trainer.tp * trainer.pp * trainer.dp ({self.trainer.ranks})",
+                    file=file, field="resources.colocate",
+                )

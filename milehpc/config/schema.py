@@ -1,0 +1,182 @@
+"""Typed config sections as dataclasses, built from TOML tables with one-line errors.
+
+A field's type hint is the schema; ``field(metadata=...)`` adds ``min``, ``max``, ``pattern`` and ``help``.
+Unknown keys, missing fields and wrong types all raise :class:`ConfigError` naming the file and the dotted
+field, what was expected and what was got.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from milehpc.errors import ConfigError
+
+T = TypeVar("T")
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if tp in _TYPE_NAMES:
+        return _TYPE_NAMES[tp]
+    if tp is Any:
+        return "any value"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp) if a is not type(None))
+    if origin is list:
+        return f"a list of {_describe(get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
+    if origin is dict:
+        return "a table"
+    if dataclasses.is_dataclass(tp):
+        return "a table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _got(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def convert(tp: Any, value: Any, where: str, file: str | None) -> Any:
+    """Check ``value`` against the type ``tp`` and return it (nested dataclasses built)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return convert(arg, value, where, file)
+            except ConfigError as err:
+                errors.append(err)
+        raise ConfigError(f"expected {_describe(tp)}, got {_got(value)}", file=file, field=where)
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"expected {_describe(tp)}, got {_got(value)}", file=file, field=where)
+        return value
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, file=file, prefix=where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"expected {_describe(tp)}, got {_got(value)}", file=file, field=where)
+        (item,) = get_args(tp)
+        return [convert(item, v, f"{where}[{i}]", file) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"expected a table, got {_got(value)}", file=file, field=where)
+        key_tp, val_tp = get_args(tp)
+        return {str(k): convert(val_tp, v, f"{where}.{k}", file) for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"expected a number, got {_got(value)}", file=file, field=where)
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"expected an integer, got {_got(value)}", file=file, field=where)
+        return value
+    if tp in (str, bool):
+        if not isinstance(value, tp):
+            raise ConfigError(f"expected {_describe(tp)}, got {_got(value)}", file=file, field=where)
+        return value
+    raise TypeError(f"schema type {tp!r} at {where} is not supported")
+
+
+def _check_constraints(f: dataclasses.Field, value: Any, where: str, file: str | None) -> None:
+    meta = f.metadata
+    if value is None:
+        return
+    if "min" in meta and value < meta["min"]:
+        raise ConfigError(f"expected a value >= {meta['min']}, got {value!r}", file=file, field=where)
+    if "max" in meta and value > meta["max"]:
+        raise ConfigError(f"expected a value <= {meta['max']}, got {value!r}", file=file, field=where)
+    if "pattern" in meta:
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if not re.fullmatch(meta["pattern"], str(item)):
+                desc = meta.get("expect", f"a value matching {meta['pattern']}")
+                raise ConfigError(f"expected {desc}, got {item!r}", file=file, field=where)
+
+
+def build(cls: type[T], data: Any, *, file: str | None = None, prefix: str = "") -> T:
+    """Build the dataclass ``cls`` from a TOML table, validating every key."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a table, got {_got(data)}", file=file, field=prefix or None)
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(
+            f"unknown key (expected one of: {', '.join(sorted(fields))})", file=file, field=where
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        where = f"{prefix}.{name}" if prefix else name
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"missing (expected {_describe(hints[name])})", file=file, field=where)
+            continue
+        value = convert(hints[name], data[name], where, file)
+        _check_constraints(f, value, where, file)
+        kwargs[name] = value
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate(file=file, prefix=prefix)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass tree back to plain TOML/JSON-able data."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def opt(default: Any = dataclasses.MISSING, *, help: str = "", **meta: Any) -> Any:
+    """A field with a help text and constraints (``min``, ``max``, ``pattern``, ``expect``)."""
+    meta["help"] = help
+    if isinstance(default, list | dict):
+        factory = (lambda d=default: type(d)(d))
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=default, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check_params(defaults: dict[str, Any], params: dict[str, Any], *, file: str | None, prefix: str) -> dict[str, Any]:
+    """Validate a plugin's params against its declared defaults; returns defaults updated by params."""
+    out = dict(defaults)
+    for key, value in params.items():
+        where = f"{prefix}.{key}"
+        if key not in defaults:
+            known = ", ".join(sorted(defaults)) or "none"
+            raise ConfigError(f"unknown parameter (expected one of: {known})", file=file, field=where)
+        default = defaults[key]
+        if default is not None:
+            tp = float if isinstance(default, float) else type(default)
+            if tp is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+                raise ConfigError(f"expected {_describe(tp)}, got {_got(value)}", file=file, field=where)
+        out[key] = value
+    return out

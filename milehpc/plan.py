@@ -1,0 +1,212 @@
+"""The rank layout of a job: a pure function of the job spec and the site partition (no I/O).
+
+One MPI world holds both groups. Without colocation the trainer ranks come first (ranks 0..T-1, Megatron's
+order: TP fastest, then DP, then PP) and the rollout ranks follow (R = engines * gpus_per_engine, engine by
+engine). With colocation every rank is both. Each rank drives one GPU (none on CPU sites). The plan stores
+only the layout's parameters, so a 10,000-node plan is as small as a 1-node one; per-rank facts are computed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from milehpc.config.job import JobSpec
+from milehpc.config.site import Partition
+from milehpc.errors import ConfigError
+
+TRAINER, ROLLOUT, BOTH = "trainer", "rollout", "both"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    role: str
+    node: int
+    local_rank: int
+    gpus: tuple[int, ...]  # node-local GPU indices this rank drives
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    engine: int | None = None  # rollout engine index
+    engine_rank: int | None = None  # rank within the engine
+
+
+@dataclass(frozen=True)
+class Plan:
+    job_name: str
+    site: str
+    partition: str
+    nodes: int
+    ranks_per_node: int
+    world_size: int
+    colocated: bool
+    device_vendor: str  # nvidia | amd | none
+    backend: str  # nccl | gloo
+    gpus_per_rank: int
+    trainer_ranks: int
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    rollout_first: int
+    rollout_ranks: int
+    engines: int
+    gpus_per_engine: int
+
+    # ---- per-rank facts -------------------------------------------------
+    def role(self, rank: int) -> str:
+        self._check(rank)
+        if self.colocated:
+            return BOTH
+        return TRAINER if rank < self.trainer_ranks else ROLLOUT
+
+    def is_trainer(self, rank: int) -> bool:
+        return self.role(rank) in (TRAINER, BOTH)
+
+    def is_rollout(self, rank: int) -> bool:
+        return self.role(rank) in (ROLLOUT, BOTH)
+
+    def node_of(self, rank: int) -> int:
+        self._check(rank)
+        return rank // self.ranks_per_node
+
+    def local_rank(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    def trainer_coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp, dp, pp) of a trainer rank, in Megatron's default order (tp fastest, then dp, then pp)."""
+        if not self.is_trainer(rank):
+            raise ValueError(f"rank {rank} is not a trainer rank")
+        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+
+    def trainer_rank(self, tp: int, dp: int, pp: int) -> int:
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def engine_of(self, rank: int) -> tuple[int, int]:
+        """(engine index, rank within the engine) of a rollout rank."""
+        if not self.is_rollout(rank):
+            raise ValueError(f"rank {rank} is not a rollout rank")
+        offset = rank - self.rollout_first
+        return offset // self.gpus_per_engine, offset % self.gpus_per_engine
+
+    def engine_leaders(self) -> list[int]:
+        return [self.rollout_first + e * self.gpus_per_engine for e in range(self.engines)]
+
+    def info(self, rank: int) -> RankInfo:
+        role = self.role(rank)
+        local = self.local_rank(rank)
+        gpus = tuple(range(local * self.gpus_per_rank, (local + 1) * self.gpus_per_rank))
+        tp = pp = dp = engine = engine_rank = None
+        if role in (TRAINER, BOTH):
+            tp, dp, pp = self.trainer_coords(rank)
+        if role in (ROLLOUT, BOTH):
+            engine, engine_rank = self.engine_of(rank)
+        return RankInfo(rank, role, self.node_of(rank), local, gpus, tp, pp, dp, engine, engine_rank)
+
+    # ---- groups -----------------------------------------------------------
+    def trainer_group(self) -> range:
+        return range(0, self.trainer_ranks)
+
+    def rollout_group(self) -> range:
+        return range(self.rollout_first, self.rollout_first + self.rollout_ranks)
+
+    def weight_sync_groups(self) -> list[dict[str, Any]]:
+        """One group per pipeline stage (as slime does): that stage's leader (tp=0, dp=0) and every rollout rank.
+        Colocated runs update in place and have none."""
+        if self.colocated:
+            return []
+        return [
+            {"stage": pp, "source": self.trainer_rank(0, 0, pp), "ranks": [self.trainer_rank(0, 0, pp),
+                                                                         *self.rollout_group()]}
+            for pp in range(self.pp)
+        ]
+
+    # ---- (de)serialisation ---------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        return cls(**data)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+            "trainer": f"ranks 0-{self.trainer_ranks - 1} (tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep})",
+            "rollout": (f"ranks {self.rollout_first}-{self.rollout_first + self.rollout_ranks - 1} "
+                        f"({self.engines} engine(s) x {self.gpus_per_engine})"),
+            "colocated": self.colocated, "backend": self.backend,
+            "weight_sync_groups": len(self.weight_sync_groups()),
+        }
+
+    def _check(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+
+
+def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: str, file: str | None = None) -> Plan:
+    """Lay out ranks for ``job`` on ``partition``; impossible layouts raise a one-line ConfigError."""
+    tr, ro = job.trainer, job.rollout
+    per_node = partition.slots_per_node
+    gpus = partition.devices.count
+    gpus_per_rank = 1 if gpus else 0
+    if gpus and per_node > gpus:
+        raise ConfigError(f"expected at most {gpus} ranks per node (one per GPU), got {per_node}",
+                          file=file, field="site.ranks_per_node")
+    if tr.tp > per_node:
+        raise ConfigError(f"expected trainer.tp <= the {per_node} GPUs (ranks) of one node, got {tr.tp}",
+                          file=file, field="trainer.tp")
+    if ro.gpus_per_engine > per_node and ro.gpus_per_engine % per_node:
+        raise ConfigError(
+            f"expected rollout.gpus_per_engine to fit a node ({per_node}) or be a multiple of it, got {ro.gpus_per_engine}",
+            file=file, field="rollout.gpus_per_engine")
+    if ro.gpus_per_engine <= per_node and per_node % ro.gpus_per_engine:
+        raise ConfigError(
+            f"expected rollout.gpus_per_engine to divide the {per_node} GPUs (ranks) of a node, got {ro.gpus_per_engine}",
+            file=file, field="rollout.gpus_per_engine")
+    if tr.ep > 1 and (tr.dp * tr.tp) % tr.ep:
+        raise ConfigError(f"expected trainer.ep to divide dp*tp ({tr.dp * tr.tp}), got {tr.ep}",
+                          file=file, field="trainer.ep")
+    if job.model.num_experts and tr.ep > job.model.num_experts:
+        raise ConfigError(f"expected trainer.ep <= model.num_experts ({job.model.num_experts}), got {tr.ep}",
+                          file=file, field="trainer.ep")
+    kv = job.model.num_kv_heads
+    if job.model.num_heads % tr.tp or (kv % tr.tp and tr.tp % kv):
+        raise ConfigError(f"expected trainer.tp to divide model.num_heads ({job.model.num_heads}), got {tr.tp}",
+                          file=file, field="trainer.tp")
+    if job.model.num_layers % tr.pp:
+        raise ConfigError(f"expected trainer.pp to divide model.num_layers ({job.model.num_layers}), got {tr.pp}",
+                          file=file, field="trainer.pp")
+    trainer_ranks = tr.ranks
+    rollout_ranks = ro.engines * ro.gpus_per_engine
+    if job.resources.colocate:
+        world, rollout_first = trainer_ranks, 0
+    else:
+        # Engines must not straddle nodes: each engine must start on a boundary of its own size.
+        rollout_first = trainer_ranks
+        align = min(ro.gpus_per_engine, per_node) if ro.gpus_per_engine <= per_node else per_node
+        if trainer_ranks % align:
+            raise ConfigError(
+                f"the trainer's {trainer_ranks} ranks leave part of a node that rollout engines of "
+                f"{ro.gpus_per_engine} GPUs cannot fill; make the trainer ranks a multiple of {align}",
+                file=file, field="rollout.gpus_per_engine")
+        world = trainer_ranks + rollout_ranks
+    nodes = math.ceil(world / per_node)
+    if job.resources.nodes is not None:
+        if job.resources.nodes < nodes:
+            raise ConfigError(f"the layout needs {nodes} node(s) of {per_node} ranks, got {job.resources.nodes}",
+                              file=file, field="resources.nodes")
+        nodes = job.resources.nodes
+    if nodes > partition.max_nodes:
+        raise ConfigError(f"the layout needs {nodes} node(s); partition '{partition_name}' allows {partition.max_nodes}",
+                          file=file, field="resources.nodes")
+    backend = "nccl" if partition.devices.vendor in ("nvidia", "amd") else "gloo"
+    return Plan(
+        job_name=job.name, site=site, partition=partition_name, nodes=nodes, ranks_per_node=per_node,
+        world_size=world, colocated=job.resources.colocate, device_vendor=partition.devices.vendor,
+        backend=backend, gpus_per_rank=gpus_per_rank, trainer_ranks=trainer_ranks, tp=tr.tp, pp=tr.pp, dp=tr.dp,
+        ep=tr.ep, rollout_first=rollout_first, rollout_ranks=rollout_ranks, engines=ro.engines,
+        gpus_per_engine=ro.gpus_per_engine,
+    )

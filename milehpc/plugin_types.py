@@ -1,0 +1,121 @@
+"""What plugins register: small, import-light dataclasses yielded by the ``milehpc_*`` register hooks.
+
+Implementations are referenced lazily: ``impl`` is either a callable or a ``"module:attribute"`` string, so
+that listing plugins on a login node never imports torch or an engine. ``defaults`` name every parameter a
+plugin accepts with its default value; the job spec's params are validated against them (unknown key or a
+value of another type is an error).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Ref = Callable[..., Any] | str
+
+
+def load_ref(ref: Ref) -> Any:
+    """Resolve a ``"package.module:attr"`` reference (or return a callable unchanged)."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split(".") if attr else []:
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class Registered:
+    """Common part of everything registered: a unique name (per kind), the implementation, its parameters."""
+
+    name: str
+    impl: Ref
+    description: str = ""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    # Python packages the implementation needs (checked before loading, one clear line if missing).
+    requires: tuple[str, ...] = ()
+
+    def load(self) -> Any:
+        return load_ref(self.impl)
+
+
+@dataclass(frozen=True)
+class SiteConfig(Registered):
+    """A site: ``impl`` is the path of a site TOML file (str or Path) or a callable returning the site dict."""
+
+
+@dataclass(frozen=True)
+class ContainerRuntime(Registered):
+    """A container runtime: ``impl(plan, partition, container_spec, run_dir) -> list[str]`` gives the argv prefix
+    that wraps each rank's command (e.g. ``apptainer exec --rocm ... image.sif``)."""
+
+
+@dataclass(frozen=True)
+class RewardFunction(Registered):
+    """A reward. ``impl(sample, **params) -> float | dict`` (``kind="sample"``), or
+    ``impl(samples, **params) -> list`` for ``kind="batch"`` / ``kind="group"`` (a group sees all samples of one
+    prompt). ``async def`` implementations are awaited concurrently."""
+
+    kind: str = "sample"  # sample | batch | group
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator(Registered):
+    """``impl(batch, **params) -> (advantages, returns)`` over padded [B, T] tensors (see algorithms)."""
+
+    needs_critic: bool = False
+    needs_teacher: bool = False
+
+
+@dataclass(frozen=True)
+class PolicyLoss(Registered):
+    """``impl(logprobs, old_logprobs, advantages, mask, agg, **params) -> (loss, metrics)``."""
+
+
+@dataclass(frozen=True)
+class RolloutEngine(Registered):
+    """``impl(ctx) -> engine``; the engine protocol is in ``milehpc.rollout.engine``."""
+
+
+@dataclass(frozen=True)
+class Trainer(Registered):
+    """``impl(ctx) -> trainer``; the trainer protocol is in ``milehpc.train.base``."""
+
+
+@dataclass(frozen=True)
+class WeightConverter(Registered):
+    """``impl(named_tensors, **params) -> iterable of (name, tensor)``: trainer names/layout → engine's."""
+
+    source: str = ""  # trainer backend, e.g. "megatron"
+    target: str = ""  # engine weight format, e.g. "hf"
+
+
+@dataclass(frozen=True)
+class Task(Registered):
+    """A prompt source: ``impl(seed, **params)`` returns an iterable of dicts with prompt, label, metadata.
+    Toy tasks also name their reward (``reward``) and tokenizer vocabulary."""
+
+    reward: str = ""
+
+
+@dataclass(frozen=True)
+class Generator(Registered):
+    """Custom generation (multi-turn / agentic): ``impl(engine, prompts, sampling, **params) -> list[Sample]``."""
+
+
+KINDS: dict[str, tuple[str, type]] = {
+    # kind -> (hook name, dataclass)
+    "site": ("milehpc_sites", SiteConfig),
+    "container": ("milehpc_container_runtimes", ContainerRuntime),
+    "reward": ("milehpc_rewards", RewardFunction),
+    "advantage": ("milehpc_advantage_estimators", AdvantageEstimator),
+    "loss": ("milehpc_policy_losses", PolicyLoss),
+    "engine": ("milehpc_rollout_engines", RolloutEngine),
+    "trainer": ("milehpc_trainers", Trainer),
+    "converter": ("milehpc_weight_converters", WeightConverter),
+    "task": ("milehpc_tasks", Task),
+    "generator": ("milehpc_generators", Generator),
+}

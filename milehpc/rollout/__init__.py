@@ -1,0 +1,1 @@
+"""Rollout: the Sample (token ids in, token ids out) and the engines that produce them."""

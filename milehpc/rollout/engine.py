@@ -1,0 +1,63 @@
+"""The rollout-engine protocol every engine plugin implements (reference engine on CPU, SGLang on GPUs)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from milehpc.rollout.sample import Sample
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    n: int = 1  # samples per prompt
+    seed: int | None = None
+
+
+class Engine(Protocol):
+    """A rollout engine living on the rollout rank(s) of one engine group.
+
+    ``generate`` is called only between weight updates: the loop never updates weights mid-generation.
+    """
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 samples: list[Sample] | None = None) -> list[Sample]:
+        """Sample ``sampling.n`` responses per prompt. Returns one Sample per response, grouped by prompt, with
+        response token ids and per-token logprobs. If ``samples`` (partial rollouts) is given, continue those."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load new weights by (engine-format) name; tracks ``version``."""
+
+    def weight_version(self) -> int:
+        """The version of the weights currently loaded."""
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The engine's current weights by name (for check_weight_update_equal)."""
+
+    def health(self) -> bool:
+        """True if the engine can serve; a dead out-of-process engine returns False and may be restarted."""
+
+    def restart(self) -> None:
+        """Restart in place (same weights must then be re-synced by the caller)."""
+
+    def release_memory(self) -> None:
+        """Colocated: give the GPU memory back (weights and KV cache) before training."""
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Colocated: take the memory back (``["weights"]`` then ``["kv_cache"]``)."""
+
+    def shutdown(self) -> None:
+        """Release everything."""
+
+    def info(self) -> dict[str, Any]:
+        """Facts for metrics and doctor (name, device, tp size...)."""

@@ -1,0 +1,219 @@
+"""The reference rollout engine: batched sampling on an HF-architecture model with a KV cache, in plain
+PyTorch. It is the CPU/embedded default and also runs on a GPU.
+
+Logprobs are those of the distribution sampled from before top-k/top-p truncation, i.e.
+``log_softmax(logits / temperature)`` (temperature 0 = greedy, scored at temperature 1), computed in fp32. The
+trainer divides its logits by the same temperature, so with fp32 weights the two agree to float rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from milehpc.rollout.engine import SamplingParams
+from milehpc.rollout.sample import Sample, Status
+
+if TYPE_CHECKING:
+    import torch
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits outside the top-k and outside the top-p nucleus with -inf (the first token always stays)."""
+    import torch
+
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p.
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+class ReferenceEngine:
+    """Implements :class:`milehpc.rollout.engine.Engine` for any HF causal LM held in this process."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, device: Any = "cpu", seed: int = 0, version: int = 0) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.eos_id, self.pad_id = int(tokenizer.eos_id), int(tokenizer.pad_id)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.version = version
+        self.tokens_generated = 0
+        # transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name warns); 4.x knows only the old.
+        import inspect
+
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ---- generation ---------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 samples: list[Sample] | None = None) -> list[Sample]:
+        """``sampling.n`` samples per prompt (prompt-major order; ``group`` = prompt position), or, with
+        ``samples``, continue each given sample by up to ``sampling.max_new_tokens`` more tokens."""
+        if samples is not None:
+            contexts = [s.prompt_ids + s.response_ids for s in samples]
+            out = samples
+        else:
+            out = [Sample(prompt_ids=list(p), group=g, weight_version=self.version)
+                   for g, p in enumerate(prompts) for _ in range(sampling.n)]
+            contexts = [s.prompt_ids for s in out]
+        if not out:
+            return out
+        new_ids, new_lps, stopped = self._decode(contexts, sampling)
+        for s, ids, lps, stop in zip(out, new_ids, new_lps, stopped, strict=True):
+            s.response_ids = s.response_ids + ids
+            s.rollout_logprobs = s.rollout_logprobs + lps
+            s.loss_mask = s.loss_mask + [1] * len(ids)
+            s.status = Status.COMPLETED if stop else Status.TRUNCATED
+            s.response_text = self.tokenizer.decode(s.response_ids)
+            s.metadata.setdefault("versions", []).append(self.version)
+        return out
+
+    def _decode(self, contexts: list[list[int]], sp: SamplingParams) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        import torch
+        from transformers import DynamicCache
+
+        B, L = len(contexts), max(map(len, contexts))
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        for i, c in enumerate(contexts):  # left padding: every row's next token goes in the same column
+            ids[i, L - len(c):] = torch.tensor(c, dtype=torch.long)
+            mask[i, L - len(c):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = torch.tensor(sorted({self.eos_id, *sp.stop_token_ids}), device=self.device)
+        temperature = sp.temperature if sp.temperature > 0 else 1.0
+        gen = self.generator
+        if sp.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(sp.seed)
+
+        out_ids = torch.empty((B, 0), dtype=torch.long, device=self.device)
+        out_lps = torch.empty((B, 0), dtype=torch.float32, device=self.device)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(B, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(B, dtype=torch.bool, device=self.device)
+        cache = DynamicCache()
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                                **{self._cache_kw: cache}).logits[:, -1, :]
+            next_pos = pos[:, -1:] + 1
+            for _ in range(sp.max_new_tokens):
+                logits = logits.float() / temperature
+                logprobs = torch.log_softmax(logits, dim=-1)
+                if sp.temperature == 0:
+                    tok = logits.argmax(-1)
+                else:
+                    probs = torch.softmax(filter_logits(logits, sp.top_k, sp.top_p), dim=-1)
+                    tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+                lp = logprobs.gather(-1, tok[:, None]).squeeze(-1)
+                out_ids = torch.cat([out_ids, tok[:, None]], 1)
+                out_lps = torch.cat([out_lps, lp[:, None]], 1)
+                lengths += (~done).long()
+                hit = torch.isin(tok, stop_ids) & ~done
+                if sp.stop:
+                    hit |= self._stop_strings(out_ids, lengths, done, sp.stop)
+                stopped |= hit
+                done |= hit
+                if bool(done.all()):
+                    break
+                mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], 1)
+                logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                                    use_cache=True, **{self._cache_kw: cache}).logits[:, -1, :]
+                next_pos = next_pos + 1
+        lengths_l = lengths.tolist()
+        ids_l, lps_l = out_ids.tolist(), out_lps.tolist()
+        self.tokens_generated += sum(lengths_l)
+        return ([r[:n] for r, n in zip(ids_l, lengths_l, strict=True)],
+                [r[:n] for r, n in zip(lps_l, lengths_l, strict=True)], stopped.tolist())
+
+    def _stop_strings(self, out_ids: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor,
+                      stop: list[str]) -> torch.Tensor:
+        import torch
+
+        hit = torch.zeros_like(done)
+        for i in (~done).nonzero().flatten().tolist():
+            text = self.tokenizer.decode(out_ids[i, : int(lengths[i])].tolist())
+            hit[i] = any(text.endswith(s) for s in stop)
+        return hit
+
+    # ---- weights ------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        import torch
+
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in state:
+                    raise KeyError(f"the engine's model has no parameter named {name!r}")
+                state[name].copy_(tensor)
+        self.version = version
+
+    def weight_version(self) -> int:
+        return self.version
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.model.state_dict().items()
+
+    # ---- lifecycle ----------------------------------------------------------
+    def health(self) -> bool:
+        return True
+
+    def restart(self) -> None:
+        """In-process: nothing to restart."""
+
+    def release_memory(self) -> None:
+        """CPU: weights stay put (the caches are freed after every generate)."""
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """CPU: nothing was released."""
+
+    def shutdown(self) -> None:
+        self.model = None
+
+    def info(self) -> dict[str, Any]:
+        return {"name": "reference", "device": str(self.device), "version": self.version,
+                "tokens_generated": self.tokens_generated}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.version = int(state["version"])
+
+
+def sampling_from_spec(rollout: Any, tokenizer: Any) -> SamplingParams:
+    """The job's ``[rollout]`` sampling settings."""
+    return SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                          max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop), n=rollout.n_samples)
+
+
+ENGINE_OPTIONS = {"partial_chunk": 0, "max_filter_rounds": 4}
+
+
+def from_context(ctx: Any) -> ReferenceEngine:
+    """Engine factory (``impl(ctx)``): the job's model (same seeded init as the trainer) on this rank's device."""
+    from milehpc.config.schema import check_params
+    from milehpc.data.tokenizer import build_tokenizer
+    from milehpc.train.model import build_model
+
+    job = ctx.job
+    check_params(ENGINE_OPTIONS, job.rollout.options, file=None, prefix="rollout.options")
+    tok = build_tokenizer(job.model.tokenizer)
+    model = build_model(job.model, tok.vocab_size, seed=job.run.seed, pad_id=tok.pad_id, eos_id=tok.eos_id)
+    comms = getattr(ctx, "comms", None)
+    device = getattr(comms, "device", None) or "cpu"
+    rank = getattr(comms, "rank", 0)
+    return ReferenceEngine(model, tok, device=device, seed=job.run.seed * 100_003 + rank)

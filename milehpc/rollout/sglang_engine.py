@@ -1,0 +1,384 @@
+"""The SGLang rollout engine on the rollout ranks (implements :class:`milehpc.rollout.engine.Engine`).
+
+Choice: **in-process ``sglang.Engine``, one per engine group, no HTTP server and no router process.**
+Miles/slime launch one HTTP server per engine and route requests through sglang-router because Ray places
+engines as actors anywhere; under MPI every rollout rank already *is* a long-lived process pinned to its GPU, so
+the engine lives in that process: requests and token ids move as Python lists (no JSON, no detokenise /
+retokenise), weight-update and memory calls are plain method calls (``Engine.init_weights_update_group``,
+``update_weights_from_distributed``, ``update_weights_from_tensor``, ``release_memory_occupation``...), no port per
+engine has to be reachable from other nodes, and load balancing across engines is milehpc's own
+(:mod:`milehpc.rollout.router`), which the loop applies when it hands prompts to engine leaders over MPI.
+SGLang's scheduler (one subprocess per GPU) and detokenizer run as children of the rank, so the engine is still
+out-of-process for crash purposes: :meth:`health` watches those children and :meth:`restart` replaces them in place.
+
+``gpus_per_engine > 1`` (tensor parallel over several MPI ranks): Slurm binds one GPU to each rank, so each rank of
+the engine starts ``sglang.Engine(tp_size=N, nnodes=N, node_rank=r, dist_init_addr=leader:port, base_gpu_id=0)``
+and drives its own GPU as one SGLang "node"; with ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` the non-leader
+``Engine`` returns once its scheduler is ready (python/sglang/srt/entrypoints/engine.py ``_launch_subprocesses``),
+and only the leader (``node_rank == 0``, which owns the tokenizer manager) takes requests.
+
+Weight sync (the trainer is the source):
+
+* **separate ranks**: trainer stage leader + every SGLang TP scheduler form one NCCL group per pipeline stage,
+  created SGLang's way (``Engine.init_weights_update_group``: TCP rendezvous at the stage leader, ``PrefixStore``
+  named after the group; the trainer joins as rank 0 with :func:`milehpc.rollout.sglang_sync.join_update_group`).
+  Per bucket, the metadata (HF names, dtype names, shapes) goes to the engine leaders over MPI first; the leaders
+  call ``update_weights_from_distributed(..., flush_cache=False)`` while the trainer broadcasts each tensor from
+  rank 0; after the last bucket the radix cache is flushed once. See :mod:`milehpc.rollout.sglang_sync`.
+* **colocated**: ``update_weights_from_tensor`` per bucket (CUDA IPC handles, no copy through NCCL), driven by
+  :mod:`milehpc.runtime.colocate` in Miles' order.
+
+Generation is never interrupted by an update: ``generate`` and the update methods share one lock, so an update
+waits for the running batch (the in-process ``Engine.generate`` is synchronous); :meth:`abort` (thread-safe) cuts a
+running batch short for partial rollouts (SGLang ``TokenizerManager.abort_request(abort_all=True)``), the cut
+samples come back ABORTED with their tokens and are continued later.
+
+Sources checked: sgl-project/sglang ``python/sglang/srt/entrypoints/engine.py``, ``server_args.py``,
+``managers/tokenizer_manager.py``, ``managers/io_struct.py``, ``sampling/sampling_params.py``, ``constants.py``;
+THUDM/slime ``slime/rollout/sglang_rollout.py`` and ``slime/backends/sglang_utils/sglang_engine.py``;
+radixark/miles ``train.py`` (offload order). Facts are listed in :mod:`milehpc.rollout.sglang_mapping`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from milehpc.errors import ConfigError, RuntimeFailure
+from milehpc.rollout import sglang_mapping as sm
+
+if TYPE_CHECKING:
+    import torch
+
+    from milehpc.rollout.engine import SamplingParams
+    from milehpc.rollout.sample import Sample
+
+ENGINE_PORT_BASE = 30000  # + engine index * 16; never served (the Engine API is in-process) but must be free
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def model_folder(ctx: Any, vocab_size: int, pad_id: int, eos_id: int) -> tuple[str, bool]:
+    """(folder SGLang loads, whether the weights are random). A random model is an HF ``config.json`` written from
+    the job's ``[model]`` table and loaded with ``load_format="dummy"``: the trainer's weights arrive by the first
+    weight sync before any generation (as Miles does: "always update weight first")."""
+    job = ctx.job
+    if job.model.path:
+        if not Path(job.model.path).is_dir():
+            raise ConfigError(f"expected a local HF checkpoint folder, got {job.model.path!r}", field="model.path")
+        return job.model.path, False
+    from milehpc.train.model import hf_config
+
+    folder = Path(ctx.run_dir) / "sglang-model"
+    config = hf_config(job.model, vocab_size, pad_id=pad_id, eos_id=eos_id)
+    config.torch_dtype = job.model.dtype
+    if getattr(ctx, "comms", None) is None or ctx.comms.rank == min(ctx.plan.engine_leaders() or [0]):
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"config.json.{os.getpid()}"
+        tmp.write_text(config.to_json_string())
+        tmp.replace(folder / "config.json")  # atomic: other engines on the shared filesystem read it
+    deadline = time.monotonic() + 60
+    while not (folder / "config.json").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeFailure(f"{folder}/config.json was not written by the first engine leader within 60 s")
+        time.sleep(0.2)
+    return str(folder), True
+
+
+class SGLangEngine:
+    """One rank's share of an SGLang engine. Only the leader (``engine_rank == 0``) generates and updates."""
+
+    #: The loop's cue: weight bytes go trainer → SGLang schedulers directly (NCCL), not through this rank.
+    receives_weights_directly = True
+
+    def __init__(self, job: Any, server_args: dict[str, Any], opts: sm.SGLangOptions, *, engine: int = 0,
+                 engine_rank: int = 0, eos_id: int | None = None, moe_shape: tuple[int, int] | None = None,
+                 colocated: bool = False, version: int = 0) -> None:
+        self.job = job
+        self.server_args = dict(server_args)
+        self.opts = opts
+        self.engine_index = engine
+        self.engine_rank = engine_rank
+        self.is_leader = engine_rank == 0
+        self.eos_id = eos_id
+        self.moe_shape = moe_shape if server_args.get("enable_return_routed_experts") else None
+        self.colocated = colocated
+        self.version = version
+        self.restarts = 0
+        self.tokens_generated = 0
+        self.update_groups: dict[str, dict[str, Any]] = {}  # group name -> init_weights_update_group kwargs
+        self._last_names: list[str] = []
+        self._lock = threading.RLock()
+        self._dead_reason: str | None = None
+        self._engine: Any = None
+        self._pids: set[int] = set()
+        self._start()
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        import sglang  # the plugin registry checked it is installed
+
+        if self.server_args.get("nnodes", 1) > 1:
+            os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+        before = _children()
+        # A dying scheduler sends SIGQUIT to its parent; SGLang's default handler then kills this whole rank.
+        # ``custom_sigquit_handler`` (a ServerArgs field) lets us mark the engine dead and restart it instead.
+        args = {**self.server_args, "custom_sigquit_handler": self._on_sigquit}
+        try:
+            self._engine = sglang.Engine(**args)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"SGLang refused the engine arguments: {err}", field="rollout.options") from err
+        self._pids = _children() - before
+        self._dead_reason = None
+
+    def _on_sigquit(self, signum: int, frame: Any) -> None:
+        self._dead_reason = "an SGLang subprocess signalled a failure (SIGQUIT)"
+
+    def health(self) -> bool:
+        """False when a scheduler/detokenizer child of this rank has died (or SGLang signalled a failure)."""
+        if self._engine is None or self._dead_reason:
+            return False
+        dead = [pid for pid in self._pids if not _alive(pid)]
+        if dead:
+            self._dead_reason = f"SGLang subprocess(es) {dead} exited"
+            return False
+        return True
+
+    def restart(self) -> None:
+        """Shut down and start again in place. Weights come back as the checkpoint's (or random); the caller must
+        re-run the weight-update group setup and a full weight sync (``needs_weight_sync`` is then True)."""
+        if self.restarts >= self.opts.max_restarts:
+            raise RuntimeFailure(
+                f"SGLang engine {self.engine_index} died again after {self.restarts} restart(s) "
+                f"(rollout.options.max_restarts = {self.opts.max_restarts}): {self._dead_reason}")
+        with self._lock:
+            self.shutdown()
+            self._start()
+            self.restarts += 1
+            self.update_groups.clear()
+            self.version = -1
+
+    @property
+    def needs_weight_sync(self) -> bool:
+        return self.version < 0
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            try:
+                self._engine.shutdown()
+            finally:
+                self._engine = None
+                signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Every engine call: fails with a message naming the engine instead of hanging on a dead one."""
+        if not self.health():
+            raise RuntimeFailure(f"SGLang engine {self.engine_index} is down ({self._dead_reason}); restart it")
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            if not self.health():
+                raise RuntimeFailure(f"SGLang engine {self.engine_index} died during {what}: {self._dead_reason}") from err
+            raise
+
+    # ---- generation -------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 samples: list[Sample] | None = None) -> list[Sample]:
+        """``sampling.n`` samples per prompt (or the continuation of ``samples``); leader only."""
+        if not self.is_leader:
+            return []
+        if self.eos_id is not None and self.eos_id not in sampling.stop_token_ids:
+            from dataclasses import replace
+
+            sampling = replace(sampling, stop_token_ids=[*sampling.stop_token_ids, self.eos_id])
+        requests = sm.build_requests(prompts, sampling, samples)
+        if not requests:
+            return []
+        kwargs = sm.generate_kwargs(requests, return_routed_experts=self.moe_shape is not None)
+        with self._lock:
+            version = self.version
+            outputs = self._call("generate", self._engine.generate, **kwargs)
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        if len(outputs) != len(requests):
+            raise RuntimeFailure(f"SGLang returned {len(outputs)} outputs for {len(requests)} requests")
+        out = [sm.to_sample(o, r, weight_version=version, moe_shape=self.moe_shape) for o, r in zip(outputs, requests,
+                                                                                                 strict=True)]
+        self.tokens_generated += sum(len(s.response_ids) for s in out) - sum(len(r.prefix_ids) for r in requests)
+        return out
+
+    def abort(self) -> None:
+        """Cut the running batch short (thread-safe); its samples return ABORTED with the tokens so far."""
+        engine = self._engine
+        if engine is None or not self.is_leader:
+            return
+        tm = engine.tokenizer_manager
+        engine.loop.call_soon_threadsafe(lambda: tm.abort_request(abort_all=True))
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Colocated path: load GPU tensors (HF names) through CUDA IPC, bucket by bucket, then flush once."""
+        if not self.is_leader:
+            return
+        bucket_bytes = self.opts.weight_bucket_mb << 20
+        names: list[str] = []
+        with self._lock:
+            for bucket in sm.buckets(named_tensors, bucket_bytes):
+                self._call("update_weights_from_tensor", self._engine.update_weights_from_tensor,
+                           named_tensors=bucket, load_format=None, flush_cache=False)
+                names.extend(n for n, _ in bucket)
+            self._call("flush_cache", self._engine.flush_cache)
+            self._last_names = names
+            self.version = version
+
+    def join_update_group(self, *, master_address: str, master_port: int, world_size: int, stage: int,
+                          backend: str = "nccl") -> None:
+        """Separate-ranks path: this engine's TP schedulers join the stage's update group (leader only)."""
+        if not self.is_leader:
+            return
+        kwargs = {"master_address": master_address, "master_port": int(master_port),
+                  "rank_offset": sm.rank_offset(self.engine_index, self.server_args.get("tp_size", 1)),
+                  "world_size": int(world_size), "group_name": sm.group_name(stage), "backend": backend}
+        with self._lock:
+            result = self._call("init_weights_update_group", self._engine.init_weights_update_group, **kwargs)
+        _check_result("init_weights_update_group", result)
+        self.update_groups[kwargs["group_name"]] = kwargs
+
+    def receive_bucket(self, meta: dict[str, list], *, stage: int) -> None:
+        """Separate-ranks path: receive one bucket the trainer broadcasts (``meta`` = names/dtypes/shapes)."""
+        if not self.is_leader:
+            return
+        with self._lock:
+            result = self._call("update_weights_from_distributed", self._engine.update_weights_from_distributed,
+                                names=meta["names"], dtypes=meta["dtypes"], shapes=meta["shapes"],
+                                group_name=sm.group_name(stage), flush_cache=False)
+        _check_result("update_weights_from_distributed", result)
+        self._last_names.extend(meta["names"])
+
+    def finish_update(self, version: int) -> None:
+        """After the last bucket of every stage: flush the radix cache once and take the new version."""
+        if not self.is_leader:
+            return
+        with self._lock:
+            self._call("flush_cache", self._engine.flush_cache)
+            self.version = version
+
+    def begin_update(self) -> None:
+        self._last_names = []
+
+    def weight_version(self) -> int:
+        return self.version
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The last synced weights, read back from the engine: the first ``check_weights_truncate`` elements of each
+        (``Engine.get_weights_by_name(name, truncate_size)``); compare against the trainer's flattened prefix."""
+        import torch
+
+        if not self.is_leader:
+            return
+        for name in self._last_names:
+            values = self._call("get_weights_by_name", self._engine.get_weights_by_name, name,
+                                truncate_size=self.opts.check_weights_truncate)
+            yield name, torch.as_tensor(values).flatten()
+
+    # ---- colocated memory ----------------------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        """Offload rollout: cuda graphs, KV cache and weights (SGLang ``release_memory_occupation``)."""
+        if self.is_leader:
+            with self._lock:
+                self._call("release_memory_occupation", self._engine.release_memory_occupation,
+                           tags=list(sm.OFFLOAD_TAGS))
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Onload ``["weights"]`` before an update and ``["kv_cache", "cuda_graph"]`` after it."""
+        if self.is_leader:
+            with self._lock:
+                self._call("resume_memory_occupation", self._engine.resume_memory_occupation,
+                           tags=list(tags) if tags is not None else None)
+
+    def info(self) -> dict[str, Any]:
+        return {"name": "sglang", "engine": self.engine_index, "engine_rank": self.engine_rank,
+                "tp_size": self.server_args.get("tp_size", 1), "version": self.version, "restarts": self.restarts,
+                "tokens_generated": self.tokens_generated, "colocated": self.colocated,
+                "weights_truncated_to": self.opts.check_weights_truncate,
+                "speculative": self.server_args.get("speculative_algorithm")}
+
+
+def _check_result(what: str, result: Any) -> None:
+    """SGLang weight calls answer ``(success, message)`` (or an object with them); failure is one clear error."""
+    ok, message = True, ""
+    if isinstance(result, tuple) and result:
+        ok, message = bool(result[0]), str(result[1]) if len(result) > 1 else ""
+    elif hasattr(result, "success"):
+        ok, message = bool(result.success), str(getattr(result, "message", ""))
+    if not ok:
+        raise RuntimeFailure(f"SGLang {what} failed: {message}")
+
+
+def engine_layout(ctx: Any) -> sm.EngineLayout:
+    """This rank's place in its engine; multi-rank engines agree on the leader's address over MPI."""
+    plan, rank = ctx.plan, ctx.comms.rank
+    engine, engine_rank = plan.engine_of(rank)
+    port = ENGINE_PORT_BASE + (engine % 64) * 16
+    addr = None
+    if plan.gpus_per_engine > 1:
+        from milehpc.rollout.sglang_sync import bcast_from_leader, free_port, host_address
+
+        mine = f"{host_address()}:{free_port()}" if engine_rank == 0 else None
+        addr = bcast_from_leader(ctx.comms.engine, mine, timeout=ctx.job.resources.collective_timeout_s,
+                                 what=f"engine {engine}'s SGLang rendezvous address")
+    return sm.EngineLayout(engine=engine, engine_rank=engine_rank, gpus_per_engine=plan.gpus_per_engine,
+                           dist_init_addr=addr, port=port)
+
+
+def from_context(ctx: Any) -> SGLangEngine:
+    """Engine factory (``impl(ctx)``) for ``rollout.engine = "sglang"``."""
+    from milehpc.config.precision import resolve_precision
+    from milehpc.data.tokenizer import build_tokenizer
+
+    job = ctx.job
+    opts = sm.parse_options(job.rollout.options)
+    precision = resolve_precision(job)
+    tokenizer = build_tokenizer(job.model.tokenizer)
+    path, random_init = model_folder(ctx, tokenizer.vocab_size, int(tokenizer.pad_id), int(tokenizer.eos_id))
+    layout = engine_layout(ctx)
+    tok_path = job.model.tokenizer if job.rollout.stop and Path(job.model.tokenizer).is_dir() else None
+    if job.rollout.stop and tok_path is None and job.model.tokenizer == "toy":
+        raise ConfigError("stop strings need a tokenizer SGLang can load; use stop token ids or a tokenizer folder",
+                          field="rollout.stop")
+    args = sm.server_args(job, opts, precision, layout, model_path=path, tokenizer_path=tok_path)
+    if random_init:
+        args["load_format"] = "dummy"
+    if opts.server_args:
+        import dataclasses
+
+        from sglang.srt.server_args import ServerArgs
+
+        sm.check_server_args_known(opts.server_args, (f.name for f in dataclasses.fields(ServerArgs)))
+    if opts.speculative is not None and opts.speculative.draft_model_path and not Path(
+            opts.speculative.draft_model_path).is_dir():
+        raise ConfigError(f"expected a local folder, got {opts.speculative.draft_model_path!r}",
+                          field="rollout.options.speculative.draft_model_path")
+    moe = (job.model.num_layers, job.model.moe_top_k) if job.model.num_experts else None
+    return SGLangEngine(job, args, opts, engine=layout.engine, engine_rank=layout.engine_rank,
+                        eos_id=int(tokenizer.eos_id), moe_shape=moe, colocated=job.resources.colocate,
+                        version=-1 if random_init else 0)

@@ -1,0 +1,402 @@
+"""Pure functions between milehpc and SGLang: requests, responses, weight-update metadata, engine arguments.
+
+Nothing here imports sglang (or torch at module level), so every mapping is tested on CPU against the signature
+facts written down in ``tests/test_sglang_mapping.py``. The facts come from these files of sgl-project/sglang
+(checked at commit 001067ff):
+
+* ``python/sglang/srt/entrypoints/engine.py`` — ``Engine.generate(prompt=None, sampling_params=None,
+  input_ids=None, ..., return_logprob=False, logprob_start_len=None, ..., return_routed_experts=False,
+  routed_experts_start_len=0, stream=False, ..., rid=None, ...)``; ``init_weights_update_group(master_address,
+  master_port, rank_offset, world_size, group_name, backend="nccl")``; ``update_weights_from_distributed(names,
+  dtypes, shapes, group_name="weight_update_group", flush_cache=True, load_format=None)``;
+  ``update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)``;
+  ``release_memory_occupation(tags=None)`` / ``resume_memory_occupation(tags=None)``; ``flush_cache()``;
+  ``get_weights_by_name(name, truncate_size=100)``; non-zero ``node_rank`` engines return right after their
+  schedulers are ready when ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0``.
+* ``python/sglang/srt/sampling/sampling_params.py`` — ``SamplingParams`` fields (``max_new_tokens``, ``stop``,
+  ``stop_token_ids``, ``temperature``, ``top_p``, ``top_k`` (-1 = whole vocabulary), ``min_p``, ``n``,
+  ``ignore_eos``, ``skip_special_tokens``, ``spaces_between_special_tokens``, ``no_stop_trim``,
+  ``sampling_seed``, ...); stop *strings* need the tokenizer (``skip_tokenizer_init=True`` rejects them).
+* ``python/sglang/srt/managers/tokenizer_manager.py`` — each output is ``{"text", "output_ids", "meta_info"}``;
+  ``meta_info["output_token_logprobs"]`` is a list of ``(logprob, token_id, text_or_None)``;
+  ``meta_info["finish_reason"]`` is the ``to_json()`` of ``FINISH_MATCHED_TOKEN``/``FINISH_MATCHED_STR``
+  (``{"type": "stop", "matched": ...}``), ``FINISH_LENGTH`` (``{"type": "length", "length": n}``) or
+  ``FINISH_ABORT`` (``{"type": "abort", "message": ...}``) from ``managers/schedule_batch.py``, ``None`` while
+  unfinished; ``meta_info["routed_experts"]`` is base64 of a little-endian int32 C-order array of shape
+  ``(prompt_len + completion_len - 1, num_layers, topk)`` (one row per token fed to the model; decoded that way by
+  THUDM/slime ``slime/rollout/sglang_rollout.py``/``slime/utils/types.py`` for routing replay, R3).
+* ``python/sglang/srt/constants.py`` — memory tags ``"weights"``, ``"kv_cache"``, ``"cuda_graph"``.
+* THUDM/slime ``slime/backends/sglang_utils/sglang_engine.py`` — dtypes travel as ``str(dtype)`` without the
+  ``torch.`` prefix (the scheduler does ``getattr(torch, dtype)``); the trainer broadcasts each tensor of a bucket
+  from rank 0 of the update group, in the order of ``names``.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from milehpc.config.schema import build, opt
+from milehpc.errors import ConfigError, RuntimeFailure
+from milehpc.rollout.sample import Sample, Status
+
+if TYPE_CHECKING:
+    import torch
+
+    from milehpc.config.job import JobSpec
+    from milehpc.config.precision import Precision
+    from milehpc.rollout.engine import SamplingParams
+
+# python/sglang/srt/constants.py
+TAG_WEIGHTS = "weights"
+TAG_KV_CACHE = "kv_cache"
+TAG_CUDA_GRAPH = "cuda_graph"
+# radixark/miles train.py offloads cuda graphs, KV cache and weights after generation, then brings the weights back
+# before the update and the KV cache (+ cuda graphs) after it.
+OFFLOAD_TAGS = (TAG_CUDA_GRAPH, TAG_KV_CACHE, TAG_WEIGHTS)
+ONLOAD_BEFORE_UPDATE = (TAG_WEIGHTS,)
+ONLOAD_AFTER_UPDATE = (TAG_KV_CACHE, TAG_CUDA_GRAPH)
+
+WEIGHT_GROUP_PREFIX = "milehpc_wsync"
+
+_FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Job-spec options of the sglang engine (rollout.options), validated like every other section
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class SpeculativeOptions:
+    """``[rollout.options.speculative]``: SGLang speculative decoding (``--speculative-*`` server args)."""
+
+    algorithm: Literal["EAGLE", "EAGLE3", "NEXTN", "STANDALONE"] = opt("EAGLE")
+    draft_model_path: str | None = opt(None, help="local folder of the draft model (EAGLE head / small model)")
+    num_steps: int = opt(3, min=1, help="draft steps per verify")
+    eagle_topk: int = opt(1, min=1, max=32, help="branching factor of the draft tree per step")
+    num_draft_tokens: int = opt(4, min=2, help="tokens verified per step (tree size)")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        if self.algorithm != "NEXTN" and not self.draft_model_path:
+            # NEXTN drafts with the model's own MTP layers; the others need a draft checkpoint.
+            raise ConfigError(f"missing (speculative algorithm {self.algorithm} needs a draft model folder)",
+                              file=file, field=f"{prefix}.draft_model_path")
+        most = self.num_steps * self.eagle_topk + 1
+        if self.num_draft_tokens > most:
+            raise ConfigError(
+                f"expected at most num_steps * eagle_topk + 1 = {most} draft tokens, got {self.num_draft_tokens}",
+                file=file, field=f"{prefix}.num_draft_tokens")
+        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            # SGLang silently rewrites it to num_steps + 1 for a chain; say so instead of running something else.
+            raise ConfigError(
+                f"with eagle_topk = 1 the draft is a chain: expected num_draft_tokens = num_steps + 1 = "
+                f"{self.num_steps + 1}, got {self.num_draft_tokens}", file=file, field=f"{prefix}.num_draft_tokens")
+
+    def server_args(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "speculative_algorithm": self.algorithm,
+            "speculative_num_steps": self.num_steps,
+            "speculative_eagle_topk": self.eagle_topk,
+            "speculative_num_draft_tokens": self.num_draft_tokens,
+        }
+        if self.draft_model_path:
+            out["speculative_draft_model_path"] = self.draft_model_path
+        return out
+
+
+@dataclass
+class SGLangOptions:
+    """``[rollout.options]`` when ``rollout.engine = "sglang"``."""
+
+    speculative: SpeculativeOptions | None = opt(None, help="speculative decoding (EAGLE draft model)")
+    server_args: dict[str, Any] = opt({}, help="extra SGLang ServerArgs (checked against ServerArgs at start)")
+    mem_fraction_static: float | None = opt(None, min=0.05, max=0.95,
+                                            help="GPU share for weights+KV cache; unset = 0.5 colocated, else SGLang's")
+    return_routed_experts: bool | None = opt(None, help="routing replay (R3); unset = on for MoE models")
+    weight_bucket_mb: int = opt(512, min=1, help="bucket size of the weight update")
+    check_weights_truncate: int = opt(100, min=1, help="elements per tensor read back by named_parameters()")
+    health_timeout_s: float = opt(60.0, min=1.0)
+    max_restarts: int = opt(3, min=0, help="in-place restarts of a dead engine before the job fails")
+
+
+# Server args milehpc derives from the job spec; setting them in rollout.options.server_args would fork the truth.
+RESERVED_SERVER_ARGS = {
+    "model_path": "model.path", "tokenizer_path": "model.tokenizer", "tp_size": "rollout.gpus_per_engine",
+    "nnodes": "rollout.gpus_per_engine", "node_rank": "the rank layout", "dist_init_addr": "the rank layout",
+    "base_gpu_id": "the rank layout", "dtype": "trainer.precision", "quantization": "trainer.precision",
+    "enable_memory_saver": "resources.colocate", "enable_return_routed_experts": "rollout.options.return_routed_experts",
+    "random_seed": "run.seed", "skip_tokenizer_init": "rollout.stop",
+    "speculative_algorithm": "rollout.options.speculative", "speculative_draft_model_path": "rollout.options.speculative",
+    "speculative_num_steps": "rollout.options.speculative", "speculative_eagle_topk": "rollout.options.speculative",
+    "speculative_num_draft_tokens": "rollout.options.speculative",
+    "mem_fraction_static": "rollout.options.mem_fraction_static",
+}
+
+
+def parse_options(options: dict[str, Any], *, file: str | None = None) -> SGLangOptions:
+    """Validate ``rollout.options`` for the sglang engine (one-line ConfigError naming the field)."""
+    opts = build(SGLangOptions, options, file=file, prefix="rollout.options")
+    for key in opts.server_args:
+        if key in RESERVED_SERVER_ARGS:
+            raise ConfigError(f"set by milehpc from {RESERVED_SERVER_ARGS[key]}; change that instead",
+                              file=file, field=f"rollout.options.server_args.{key}")
+    return opts
+
+
+def check_server_args_known(extra: dict[str, Any], known: Iterable[str], *, file: str | None = None) -> None:
+    """Inside the job, where sglang imports: every extra key must be a ``ServerArgs`` field."""
+    known = set(known)
+    for key in extra:
+        if key not in known:
+            raise ConfigError("not an SGLang ServerArgs field", file=file, field=f"rollout.options.server_args.{key}")
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Where one SGLang engine runs: ``gpus`` MPI ranks, each driving one GPU, as SGLang "nodes"."""
+
+    engine: int
+    engine_rank: int  # SGLang node_rank
+    gpus_per_engine: int  # SGLang tp_size == nnodes (one GPU per rank)
+    dist_init_addr: str | None  # host:port of the engine leader (multi-rank engines only)
+    port: int  # the engine's own (unused) HTTP port, unique per engine on a node
+
+
+def server_args(job: JobSpec, opts: SGLangOptions, precision: Precision, layout: EngineLayout, *,
+                model_path: str, tokenizer_path: str | None) -> dict[str, Any]:
+    """Keyword arguments for ``sglang.Engine(**kwargs)`` (== ``ServerArgs`` fields)."""
+    moe = job.model.num_experts > 0
+    routed = opts.return_routed_experts if opts.return_routed_experts is not None else moe
+    if routed and not moe:
+        raise ConfigError("routing replay needs an MoE model (model.num_experts > 0)",
+                          field="rollout.options.return_routed_experts")
+    args: dict[str, Any] = {
+        "model_path": model_path,
+        # Token ids in and out; the tokenizer is only needed for stop *strings* (SamplingParams.normalize).
+        "skip_tokenizer_init": not job.rollout.stop,
+        "tp_size": layout.gpus_per_engine,
+        "random_seed": job.run.seed + layout.engine,
+        "port": layout.port,
+        "log_level": "error",
+        **precision.sglang_server_args(),
+    }
+    if tokenizer_path:
+        args["tokenizer_path"] = tokenizer_path
+    if layout.gpus_per_engine > 1:
+        # Each MPI rank sees the GPU Slurm bound to it, so every rank is an SGLang "node" of one GPU.
+        args.update(nnodes=layout.gpus_per_engine, node_rank=layout.engine_rank,
+                    dist_init_addr=layout.dist_init_addr, base_gpu_id=0)
+    if job.resources.colocate:
+        args["enable_memory_saver"] = True
+    mem = opts.mem_fraction_static if opts.mem_fraction_static is not None else (0.5 if job.resources.colocate
+                                                                                 else None)
+    if mem is not None:
+        args["mem_fraction_static"] = mem
+    if routed:
+        args["enable_return_routed_experts"] = True
+    if opts.speculative is not None:
+        args.update(opts.speculative.server_args())
+    args.update(opts.server_args)
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Request:
+    """One SGLang request = one response. ``n`` samples of a prompt are ``n`` requests sharing the prompt, so that
+    the order of outputs is ours (no dependence on how SGLang expands ``n``) and partial rollouts continue
+    individually; the radix cache still shares the prompt's KV cache between them."""
+
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    prompt_ids: list[int]
+    group: int
+    index: int
+    prefix_ids: list[int] = field(default_factory=list)  # response tokens already generated (partial rollout)
+    prefix_logprobs: list[float] = field(default_factory=list)
+    prefix_loss_mask: list[int] = field(default_factory=list)
+    weight_version: int | None = None  # version that generated the prefix's first token
+    source: Sample | None = None
+
+
+def sampling_params(sp: SamplingParams, *, max_new_tokens: int | None = None, seed: int | None = None) -> dict[str, Any]:
+    """milehpc ``SamplingParams`` → one SGLang ``sampling_params`` dict (keys are SGLang ``SamplingParams`` fields)."""
+    out: dict[str, Any] = {
+        "temperature": float(sp.temperature),
+        "top_p": float(sp.top_p),
+        "top_k": int(sp.top_k) if sp.top_k > 0 else -1,  # ours: 0 = off; SGLang: -1 = whole vocabulary
+        "max_new_tokens": int(sp.max_new_tokens if max_new_tokens is None else max_new_tokens),
+        # Keep the stop token in the output (the trainer sees exactly what was sampled) and never touch text.
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+    }
+    if sp.stop:
+        out["stop"] = list(sp.stop)
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = [int(t) for t in sp.stop_token_ids]
+    if seed is not None:
+        out["sampling_seed"] = int(seed)
+    return out
+
+
+def build_requests(prompts: Sequence[Sequence[int]], sp: SamplingParams,
+                   samples: Sequence[Sample] | None = None, *, first_index: int = 0) -> list[Request]:
+    """``sp.n`` requests per prompt (grouped, in prompt order), or one request per unfinished sample to continue."""
+    requests: list[Request] = []
+    if samples:
+        for s in samples:
+            left = sp.max_new_tokens - len(s.response_ids)
+            if left <= 0:
+                continue
+            requests.append(Request(
+                input_ids=list(s.prompt_ids) + list(s.response_ids),
+                sampling_params=sampling_params(sp, max_new_tokens=left,
+                                                seed=None if sp.seed is None else sp.seed + s.index),
+                prompt_ids=list(s.prompt_ids), group=s.group, index=s.index,
+                prefix_ids=list(s.response_ids), prefix_logprobs=list(s.rollout_logprobs),
+                prefix_loss_mask=list(s.loss_mask), weight_version=s.weight_version, source=s))
+        return requests
+    for g, prompt in enumerate(prompts):
+        for k in range(sp.n):
+            index = first_index + g * sp.n + k
+            requests.append(Request(
+                input_ids=list(prompt), prompt_ids=list(prompt), group=g, index=index,
+                # Distinct seeds per sample: the same seed for all n would give n identical responses.
+                sampling_params=sampling_params(sp, seed=None if sp.seed is None else sp.seed + index)))
+    return requests
+
+
+def generate_kwargs(requests: Sequence[Request], *, return_routed_experts: bool = False) -> dict[str, Any]:
+    """Keyword arguments for ``sglang.Engine.generate`` for a batch of requests (token ids in, logprobs out)."""
+    kwargs: dict[str, Any] = {
+        "input_ids": [r.input_ids for r in requests],
+        "sampling_params": [r.sampling_params for r in requests],
+        # Logprobs of the generated tokens only (logprob_start_len left at its default); the prompt's are
+        # recomputed by the trainer anyway.
+        "return_logprob": True,
+    }
+    if return_routed_experts:
+        kwargs["return_routed_experts"] = True
+    return kwargs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------------------------
+def finish_status(finish_reason: Any) -> Status:
+    """SGLang ``meta_info["finish_reason"]`` → Status (``None`` = cut off before finishing = ABORTED)."""
+    if finish_reason is None:
+        return Status.ABORTED
+    kind = finish_reason.get("type") if isinstance(finish_reason, dict) else str(finish_reason)
+    if kind not in _FINISH_STATUS:
+        raise RuntimeFailure(f"SGLang returned an unknown finish_reason {finish_reason!r}")
+    return _FINISH_STATUS[kind]
+
+
+def decode_routed_experts(data: str, rows: int, num_layers: int, topk: int) -> list[list[list[int]]]:
+    """Decode ``meta_info["routed_experts"]`` (base64 int32, C order) into ``rows x num_layers x topk`` ids."""
+    import numpy as np
+
+    raw = base64.b64decode(data.encode("ascii"))
+    flat = np.frombuffer(raw, dtype="<i4")
+    expected = rows * num_layers * topk
+    if flat.size != expected:
+        raise RuntimeFailure(
+            f"SGLang routed_experts has {flat.size} ids, expected {rows} tokens x {num_layers} layers x {topk}")
+    return flat.reshape(rows, num_layers, topk).tolist()
+
+
+def encode_routed_experts(ids: Sequence[Sequence[Sequence[int]]]) -> str:
+    """Inverse of :func:`decode_routed_experts` (what SGLang's tokenizer manager does)."""
+    import numpy as np
+
+    return base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode("ascii")
+
+
+def to_sample(output: dict[str, Any], request: Request, *, weight_version: int,
+              moe_shape: tuple[int, int] | None = None) -> Sample:
+    """One SGLang output dict → a Sample (token ids and logprobs straight from the engine, never re-tokenised).
+
+    ``moe_shape`` = (num_layers, topk) when routed experts were requested. ``Sample.routed_experts`` holds, per
+    response token, the routing of the forward pass that sampled it (token position ``prompt_len - 1 + j``); the
+    prompt's rows go to ``metadata["prompt_routed_experts"]`` so the trainer can replay the whole sequence.
+    """
+    meta = output.get("meta_info") or {}
+    pairs = meta.get("output_token_logprobs")
+    if pairs is None:
+        raise RuntimeFailure("SGLang output has no meta_info.output_token_logprobs (return_logprob was not set)")
+    new_ids = [int(p[1]) for p in pairs]
+    new_lps = [float(p[0]) for p in pairs]
+    out_ids = output.get("output_ids")
+    if out_ids is not None and list(out_ids) != new_ids:
+        raise RuntimeFailure("SGLang output_ids and output_token_logprobs disagree on the sampled tokens")
+    status = finish_status(meta.get("finish_reason"))
+    response = request.prefix_ids + new_ids
+    mask = (request.prefix_loss_mask or [1] * len(request.prefix_ids)) + [1] * len(new_ids)
+    version = weight_version if request.weight_version is None or not request.prefix_ids else request.weight_version
+    sample = Sample(
+        prompt_ids=list(request.prompt_ids), response_ids=response, rollout_logprobs=request.prefix_logprobs + new_lps,
+        loss_mask=mask, status=status, group=request.group, index=request.index, weight_version=version)
+    if request.source is not None:
+        src = request.source
+        sample.label, sample.prompt_text, sample.metadata = src.label, src.prompt_text, dict(src.metadata)
+    if request.prefix_ids:
+        # Which policy versions produced the tokens (partial rollouts span a weight update).
+        sample.metadata.setdefault("version_spans", []).append([len(request.prefix_ids), weight_version])
+    if moe_shape is not None:
+        data = meta.get("routed_experts")
+        if data is None:
+            raise RuntimeFailure("SGLang returned no routed_experts although they were requested "
+                                 "(start the engine with enable_return_routed_experts)")
+        total = len(request.input_ids) + len(new_ids) - 1
+        rows = decode_routed_experts(data, total, *moe_shape)
+        p = len(request.prompt_ids)
+        sample.routed_experts = rows[p - 1:]
+        sample.metadata["prompt_routed_experts"] = rows[:p - 1]
+    return sample
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weight updates
+# ---------------------------------------------------------------------------------------------------------------
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"`` (SGLang does ``getattr(torch, name)`` on the receiving side)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def weight_metadata(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list]:
+    """``names`` / ``dtypes`` / ``shapes`` for ``update_weights_from_distributed`` (order = broadcast order)."""
+    return {
+        "names": [n for n, _ in named],
+        "dtypes": [dtype_name(t.dtype) for _, t in named],
+        "shapes": [[int(d) for d in t.shape] for _, t in named],
+    }
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group named tensors into buckets of at most ``bucket_bytes`` (a bigger tensor travels alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def group_name(stage: int) -> str:
+    """The SGLang weight-update group of one pipeline stage."""
+    return f"{WEIGHT_GROUP_PREFIX}_pp{stage}"
+
+
+def rank_offset(engine: int, gpus_per_engine: int) -> int:
+    """The update group's rank of an engine's TP rank 0 (rank 0 is the trainer's stage leader)."""
+    return 1 + engine * gpus_per_engine

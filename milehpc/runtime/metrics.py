@@ -1,0 +1,122 @@
+"""What a user watches: TensorBoard scalars, a ``metrics.jsonl`` log (read by ``milehpc plot``), and a terminal
+progress display (a rich bar on a terminal, one plain line per step otherwise, e.g. under mpirun or Slurm)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+# Shown in the progress line, in this order, when present: (metric key, label, format).
+PROGRESS = (("rollout/reward_mean", "reward", "{:.3f}"), ("train/kl", "kl", "{:.4f}"),
+            ("perf/tokens_per_s", "tok/s", "{:.0f}"), ("time/step", "step s", "{:.2f}"))
+
+
+class MetricsLogger:
+    """Rank 0 of the trainer group owns one of these."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, *, tensorboard: bool = True, progress: bool = True,
+                 stream: TextIO | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.total = total_steps
+        self.jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.stream = stream or sys.stdout
+        self.start = time.time()
+        self.first_step: int | None = None
+        self.bar = self.task = None
+        if progress and self.stream.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+            self.task = self.bar.add_task("rl", total=total_steps, info="", completed=0)
+            self.bar.start()
+        self.quiet = not progress
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.first_step is None:
+            self.first_step = step
+        record = {"step": step, "time": round(time.time() - self.start, 3),
+                  **{k: float(v) for k, v in metrics.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, float(value), step)
+        info = "  ".join(f"{label} {fmt.format(metrics[k])}" for k, label, fmt in PROGRESS if k in metrics)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step + 1, info=info)
+        elif not self.quiet:
+            done = step + 1 - self.first_step
+            elapsed = time.time() - self.start
+            eta = elapsed / max(done, 1) * (self.total - step - 1)
+            print(f"step {step + 1}/{self.total}  {info}  elapsed {elapsed:.0f}s  eta {eta:.0f}s",
+                  file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        if self.writer is not None:
+            self.writer.close()
+        self.jsonl.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/metrics.jsonl`` (a restarted run appends; the last record per step wins)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        from milehpc.errors import MilehpcError
+
+        raise MilehpcError("no metrics.jsonl in this run directory", file=str(path))
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[int(rec["step"])] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_rewards(run_dir: str | Path, out: str | Path | None = None, key: str = "rollout/reward_mean") -> Path:
+    """A PNG of the reward curve (and its std band when logged); returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in read_metrics(run_dir) if key in r]
+    if not records:
+        from milehpc.errors import MilehpcError
+
+        raise MilehpcError(f"no '{key}' values in metrics.jsonl", file=str(Path(run_dir) / "metrics.jsonl"))
+    steps = [r["step"] for r in records]
+    mean = [r[key] for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, mean, label=key)
+    std_key = key.replace("_mean", "_std")
+    if all(std_key in r for r in records) and std_key != key:
+        lo = [m - r[std_key] for m, r in zip(mean, records, strict=True)]
+        hi = [m + r[std_key] for m, r in zip(mean, records, strict=True)]
+        ax.fill_between(steps, lo, hi, alpha=0.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_title(Path(run_dir).name)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    path = Path(out) if out else Path(run_dir) / "reward.png"
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path

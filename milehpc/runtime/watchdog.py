@@ -1,0 +1,185 @@
+"""Rank liveness: a heartbeat ring over MPI plus a process check for ranks on the same host.
+
+Each rank sends a heartbeat to its successor and watches its predecessor (O(1) messages per rank, so it scales to
+any world size); ranks on the same host are also checked by pid + start time (a killed neighbour is seen within one
+tick). Whoever sees a rank vanish sends a notice naming it to every rank; a rank that receives a notice, or sees a
+failure itself, ends within ``grace`` seconds even when its main thread is stuck inside a collective — the RL loop
+never hangs on a dead peer. Notices also carry failures the main thread found (a timeout, an exception).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+TAG_HEARTBEAT, TAG_NOTICE, TAG_BYE = 31001, 31002, 31003
+
+
+@dataclass(frozen=True)
+class Peer:
+    rank: int
+    host: str
+    pid: int
+    started: float  # process create time, so that a reused pid is not taken for our peer
+
+
+def this_peer(rank: int) -> Peer:
+    import socket
+
+    import psutil
+
+    return Peer(rank, socket.gethostname(), os.getpid(), psutil.Process().create_time())
+
+
+def _alive(peer: Peer) -> bool:
+    import psutil
+
+    try:
+        proc = psutil.Process(peer.pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - peer.started) < 1.0
+    except psutil.Error:
+        return False
+
+
+class Watchdog:
+    """Background liveness checks for one rank. ``failure`` is the first failure seen (a one-line message)."""
+
+    def __init__(self, comm: Any, peers: list[Peer], *, dead_after: float, interval: float = 0.5,
+                 grace: float = 2.0, on_failure: Callable[[Watchdog], None] | None = None) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.peers = peers
+        self.dead_after = dead_after
+        self.interval = interval
+        self.grace = grace
+        self.on_failure = on_failure or default_on_failure
+        self.failure: str | None = None
+        self.failed_ranks: set[int] = set()
+        self.detected_here = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sent: list[Any] = []
+        me = peers[self.rank]
+        # Only check pids we can verify now (a container with its own pid namespace would make them meaningless).
+        self._local = [p for p in peers if p.rank != self.rank and p.host == me.host and _alive(p)]
+
+    # ---- control ----------------------------------------------------------
+    def start(self) -> None:
+        if self.size > 1:
+            self._thread = threading.Thread(target=self._run, name="milehpc-watchdog", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching (clean shutdown): tell the successor first, so it does not take our silence for death."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.interval + 1)
+        if self.size > 1 and self.failure is None:
+            try:
+                self._sent.append(self.comm.isend(None, (self.rank + 1) % self.size, TAG_BYE))
+            except Exception:  # noqa: BLE001 - a dead successor cannot be told
+                pass
+
+    def declare(self, message: str, ranks: set[int] | frozenset[int] = frozenset(), *, notify: bool = True,
+                detected: bool = True) -> bool:
+        """Record a failure (first one wins) and tell every other rank. Returns False if one was already known."""
+        with self._lock:
+            if self.failure is not None:
+                return False
+            self.failure = message
+            self.failed_ranks |= set(ranks)
+            self.detected_here = detected
+        if notify:
+            for dest in range(self.size):
+                if dest == self.rank or dest in self.failed_ranks:
+                    continue
+                try:
+                    self._sent.append(self.comm.isend(message, dest, TAG_NOTICE))  # keep the buffer alive
+                except Exception:  # noqa: BLE001 - best effort: that rank may be gone as well
+                    pass
+        return True
+
+    # ---- the thread -------------------------------------------------------
+    def _run(self) -> None:
+        from mpi4py import MPI
+
+        pred, succ = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+        watching_pred = True
+        last_seen = time.monotonic()
+        pending: list[Any] = []
+        failed_at: float | None = None
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                if self.failure is None:
+                    pending = [r for r in pending if not r.Test()]
+                    if len(pending) < 64:  # a dead successor on shared memory never drains them
+                        pending.append(self.comm.isend(None, succ, TAG_HEARTBEAT))
+                while (msg := self.comm.improbe(pred, TAG_HEARTBEAT)) is not None:
+                    msg.recv()
+                    last_seen = now
+                while (msg := self.comm.improbe(MPI.ANY_SOURCE, TAG_BYE)) is not None:
+                    st = MPI.Status()
+                    msg.recv(status=st)
+                    if st.Get_source() == pred:
+                        watching_pred = False
+                status = MPI.Status()
+                while (msg := self.comm.improbe(MPI.ANY_SOURCE, TAG_NOTICE)) is not None:
+                    text = msg.recv(status=status)
+                    self.declare(text, notify=False, detected=False)
+                for peer in self._local:
+                    if peer.rank not in self.failed_ranks and not _alive(peer):
+                        self.declare(f"rank {peer.rank} (pid {peer.pid} on {peer.host}) is gone: "
+                                     f"its process exited or was killed", {peer.rank})
+                if watching_pred and self.failure is None and now - last_seen > self.dead_after:
+                    host = self.peers[pred].host
+                    self.declare(f"rank {pred} (on {host}) stopped responding: no heartbeat for "
+                                 f"{now - last_seen:.0f} s (dead, hung, or its node is gone)", {pred})
+            except MPI.Exception as err:  # with ULFM, talking to a dead rank raises instead of hanging
+                dead = _failed_ranks(self.comm)
+                if dead:
+                    names = ", ".join(str(r) for r in sorted(dead))
+                    self.declare(f"rank {names} is gone (MPI reports the process failed)", dead)
+                else:
+                    self.declare(f"MPI error in the liveness checks: {err}")
+            if self.failure is not None:
+                failed_at = failed_at or now
+                if now - failed_at >= self.grace:
+                    self.on_failure(self)
+                    return
+            self._stop.wait(self.interval)
+
+
+def _failed_ranks(comm: Any) -> set[int]:
+    try:
+        from mpi4py import MPI
+
+        group = comm.Get_failed()
+        if group.Get_size() == 0:
+            return set()
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), comm.Get_group())
+        return {r for r in ranks if r >= 0}
+    except Exception:  # noqa: BLE001 - MPI without ULFM
+        return set()
+
+
+def report(rank: int, message: str) -> None:
+    print(f"milehpc: rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
+def default_on_failure(dog: Watchdog) -> None:
+    """The main thread did not end by itself (it is stuck in a collective): report and end the process.
+    ``os._exit`` skips MPI_Finalize, which would wait for the dead rank."""
+    if dog.detected_here or dog.rank == 0:
+        report(dog.rank, dog.failure or "failure")
+    sys.stdout.flush()
+    os._exit(1)

@@ -1,0 +1,267 @@
+"""Megatron-core <-> HF (transformers) names and layouts for Llama / Qwen2 / Mixtral-shaped models.
+
+Megatron layout (local and TE specs name parameters alike for these shapes):
+
+* ``self_attention.linear_qkv``: Q, K and V fused and **interleaved per query group**: for each of the
+  ``num_kv_heads`` groups, ``[q heads of the group (num_heads/num_kv_heads * head_dim rows), k (head_dim), v
+  (head_dim)]``. TP splits whole groups, so the TP shards simply concatenate along dim 0.
+* ``mlp.linear_fc1``: SwiGLU's gate and up fused as ``cat([gate, up])`` **per TP rank**: rank r holds
+  ``[gate_r; up_r]``, so gathering takes the halves of every shard apart first.
+* column-parallel (dim 0): word embeddings, output layer, qkv, fc1; row-parallel (dim 1): linear_proj, fc2;
+  norms and the MoE router are replicated.
+* layers are numbered per pipeline stage (``decoder.layers.0..``); the converter works with global layer indices,
+  the trainer renames (each PP stage exports its own layers, as slime does with one sync group per stage).
+
+HF MoE layout: ``moe_layout="transformers"`` gives transformers 5's in-memory names (``mlp.gate``,
+``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) which the reference engine loads;
+``"checkpoint"`` gives the per-expert checkpoint names SGLang loads (Qwen2-MoE: ``mlp.experts.{e}.gate_proj/
+up_proj/down_proj``; Mixtral: ``block_sparse_moe.gate``, ``block_sparse_moe.experts.{e}.w1/w3/w2``). Qwen2-MoE's
+sigmoid-gated shared expert is Megatron's ``mlp.shared_experts`` with ``gate_weight``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from milehpc.train.megatron.model import Arch
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+# Per-layer names that map one to one (Megatron suffix -> HF suffix).
+_SIMPLE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+}
+# Fused gate/up (SwiGLU fc1) -> the HF prefix of its gate_proj/up_proj.
+_FC1 = {"mlp.linear_fc1.weight": "mlp.", "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert."}
+
+
+def _ckpt_expert_names(arch: Arch, pre: str, e: int) -> tuple[str, str, str]:
+    """(gate, up, down) names of routed expert ``e`` in the HF checkpoint layout."""
+    if arch.model_type == "mixtral":
+        b = f"{pre}block_sparse_moe.experts.{e}."
+        return b + "w1.weight", b + "w3.weight", b + "w2.weight"
+    b = f"{pre}mlp.experts.{e}."
+    return b + "gate_proj.weight", b + "up_proj.weight", b + "down_proj.weight"
+
+
+def _ckpt_router_name(arch: Arch, pre: str) -> str:
+    return f"{pre}block_sparse_moe.gate.weight" if arch.model_type == "mixtral" else f"{pre}mlp.gate.weight"
+_TOP = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+
+
+# ---- TP layout ------------------------------------------------------------------------------------------------
+def tp_dim(name: str) -> int | None:
+    """The dim a Megatron parameter is split along over TP ranks (None = replicated)."""
+    if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
+                      "linear_fc1.weight")):
+        return 0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return None
+
+
+def _is_fc1(name: str) -> bool:
+    return name.endswith("linear_fc1.weight")
+
+
+def tp_split(name: str, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """The TP shards of a full Megatron tensor (inverse of :func:`tp_gather`)."""
+    import torch
+
+    dim = tp_dim(name)
+    if dim is None or tp == 1:
+        return [full.clone() for _ in range(tp)]
+    if _is_fc1(name):
+        gate, up = full.chunk(2, dim=0)
+        return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(tp, 0), up.chunk(tp, 0), strict=True)]
+    return [s.clone() for s in full.chunk(tp, dim=dim)]
+
+
+def tp_gather(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Join the TP shards of one Megatron tensor into the full tensor."""
+    import torch
+
+    dim = tp_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if _is_fc1(name):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+# ---- QKV -----------------------------------------------------------------------------------------------------
+def qkv_to_hf(qkv: torch.Tensor, arch: Arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused interleaved qkv ([groups * (q_per_group + 2) * head_dim, ...]) -> (q, k, v)."""
+    g, d = arch.num_kv_heads, arch.head_dim
+    per = arch.num_heads // g
+    x = qkv.reshape(g, (per + 2) * d, *qkv.shape[1:])
+    q, k, v = x.split([per * d, d, d], dim=1)
+    rest = qkv.shape[1:]
+    return q.reshape(g * per * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
+
+
+def qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Arch) -> torch.Tensor:
+    import torch
+
+    g, d = arch.num_kv_heads, arch.head_dim
+    per = arch.num_heads // g
+    rest = q.shape[1:]
+    x = torch.cat([q.reshape(g, per * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+    return x.reshape(g * (per + 2) * d, *rest)
+
+
+# ---- Megatron -> HF --------------------------------------------------------------------------------------------
+def to_hf(named: Iterable[tuple[str, torch.Tensor]], arch: Arch, *, moe_layout: str = "transformers",
+          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full (TP-gathered) Megatron tensors with global layer indices -> HF names and layouts.
+
+    MoE experts must come as ``mlp.experts.local_experts.{global expert}.*``; in the transformers layout the
+    experts of a layer are stacked, so they are buffered until the layer has all of them.
+    """
+    import torch
+
+    pending: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, t in named:
+        if name in _TOP:
+            if name == "output_layer.weight" and arch.tie_word_embeddings:
+                continue
+            yield _TOP[name], _trim_vocab(t, arch)
+            continue
+        m = _LAYER.match(name)
+        if not m:
+            raise KeyError(f"megatron->hf: unknown parameter {name!r}")
+        layer, rest = int(m.group(1)), m.group(2)
+        pre = f"model.layers.{layer}."
+        if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            kind = rest.rsplit(".", 1)[1]
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), qkv_to_hf(t, arch), strict=True):
+                yield f"{pre}self_attn.{proj}.{kind}", part
+        elif rest in _FC1:
+            gate, up = t.chunk(2, dim=0)
+            yield f"{pre}{_FC1[rest]}gate_proj.weight", gate
+            yield f"{pre}{_FC1[rest]}up_proj.weight", up
+        elif rest == "mlp.router.weight" and moe_layout == "checkpoint":
+            yield _ckpt_router_name(arch, pre), t
+        elif rest in _SIMPLE:
+            yield pre + _SIMPLE[rest], t
+        elif em := _EXPERT.match(rest):
+            e, which = int(em.group(1)), em.group(2)
+            if moe_layout == "checkpoint":
+                gate_name, up_name, down_name = _ckpt_expert_names(arch, pre, e)
+                if which == "linear_fc1":
+                    gate, up = t.chunk(2, dim=0)
+                    yield gate_name, gate
+                    yield up_name, up
+                else:
+                    yield down_name, t
+                continue
+            bucket = pending.setdefault((layer, which), {})
+            bucket[e] = t
+            if len(bucket) == arch.num_experts:
+                stacked = torch.stack([bucket[i] for i in range(arch.num_experts)])
+                hf = "gate_up_proj" if which == "linear_fc1" else "down_proj"
+                yield f"{pre}mlp.experts.{hf}", stacked
+                del pending[(layer, which)]
+        else:
+            raise KeyError(f"megatron->hf: unknown parameter {name!r}")
+    if pending:
+        raise ValueError(f"megatron->hf: incomplete experts for {sorted(pending)}")
+
+
+def _trim_vocab(t: torch.Tensor, arch: Arch) -> torch.Tensor:
+    return t[: arch.vocab_size] if t.shape[0] > arch.vocab_size else t
+
+
+# ---- HF -> Megatron --------------------------------------------------------------------------------------------
+def from_hf(hf: dict[str, torch.Tensor], arch: Arch, *, padded_vocab: int | None = None) -> dict[str, torch.Tensor]:
+    """A full HF state dict (transformers or checkpoint MoE layout) -> full Megatron tensors, global layer indices."""
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        if padded_vocab is None or padded_vocab == t.shape[0]:
+            return t
+        return torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
+
+    out["embedding.word_embeddings.weight"] = pad(hf["model.embed_tokens.weight"])
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if not arch.tie_word_embeddings:
+        out["output_layer.weight"] = pad(hf["lm_head.weight"])
+    inv = {v: k for k, v in _SIMPLE.items()}
+    for i in range(arch.num_layers):
+        pre, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for kind in ("weight", "bias"):
+            if f"{pre}self_attn.q_proj.{kind}" in hf:
+                q, k, v = (hf[f"{pre}self_attn.{p}.{kind}"] for p in ("q_proj", "k_proj", "v_proj"))
+                out[f"{mp}self_attention.linear_qkv.{kind}"] = qkv_from_hf(q, k, v, arch)
+        for hf_suffix, m_suffix in inv.items():
+            if pre + hf_suffix in hf:
+                out[mp + m_suffix] = hf[pre + hf_suffix]
+        for m_suffix, hf_prefix in _FC1.items():
+            if f"{pre}{hf_prefix}gate_proj.weight" in hf:
+                out[mp + m_suffix] = torch.cat([hf[f"{pre}{hf_prefix}gate_proj.weight"],
+                                                hf[f"{pre}{hf_prefix}up_proj.weight"]])
+        if arch.is_moe:
+            _experts_from_hf(hf, pre, mp, arch, out)
+    return out
+
+
+def _experts_from_hf(hf: dict[str, torch.Tensor], pre: str, mp: str, arch: Arch, out: dict[str, torch.Tensor],
+                     ) -> None:
+    import torch
+
+    if f"{pre}mlp.experts.gate_up_proj" not in hf:  # checkpoint layout
+        out[f"{mp}mlp.router.weight"] = hf[_ckpt_router_name(arch, pre)]
+        for e in range(arch.num_experts):
+            gate, up, down = _ckpt_expert_names(arch, pre, e)
+            out[f"{mp}mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([hf[gate], hf[up]])
+            out[f"{mp}mlp.experts.local_experts.{e}.linear_fc2.weight"] = hf[down]
+        return
+    gate_up, down = hf[f"{pre}mlp.experts.gate_up_proj"], hf[f"{pre}mlp.experts.down_proj"]
+    for e in range(arch.num_experts):
+        out[f"{mp}mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+        out[f"{mp}mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+
+
+# ---- per-rank views (PP stage, EP rank) ------------------------------------------------------------------------
+def rename_layers(named: Iterable[tuple[str, torch.Tensor]], layer_offset: int = 0, expert_offset: int = 0,
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stage-local names -> global names (layer index + offset; local expert index + offset), or the inverse
+    with negative offsets."""
+    for name, t in named:
+        m = _LAYER.match(name)
+        if m:
+            rest = m.group(2)
+            em = _EXPERT.match(rest)
+            if em:
+                rest = f"mlp.experts.local_experts.{int(em.group(1)) + expert_offset}.{em.group(2)}.weight"
+            name = f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
+        yield name, t
+
+
+def local_shard(full: dict[str, torch.Tensor], local_names: Iterable[str], *, tp: int, tp_rank: int,
+                layer_offset: int, expert_offset: int = 0) -> dict[str, torch.Tensor]:
+    """What one rank (its PP stage, EP rank and TP rank) holds of the full Megatron tensors, by local name."""
+    out = {}
+    for local in local_names:
+        (global_name, _), = rename_layers([(local, None)], layer_offset, expert_offset)  # type: ignore[list-item]
+        out[local] = tp_split(local, full[global_name], tp)[tp_rank]
+    return out

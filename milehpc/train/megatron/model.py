@@ -1,0 +1,232 @@
+"""Megatron-core GPTModel for Llama/Qwen2-shaped models (dense, and MoE as Mixtral-style experts).
+
+The HF config is the single source of truth for the architecture (what the rollout engine builds from the same
+job spec or loads from the same checkpoint folder); :func:`transformer_config` maps it onto Megatron's
+TransformerConfig: RMSNorm, RoPE (theta from the HF config), SwiGLU (``gated_linear_unit``), GQA
+(``num_query_groups``), Qwen2's QKV bias, tied embeddings, and for MoE a softmax top-k router that renormalises over
+the chosen experts (Mixtral's rule) with routing replay available.
+
+Layer spec: the local (pure megatron-core) spec on CPU; the transformer-engine spec on GPUs when the job asks
+for it (``trainer.precision`` bf16/fp8 or ``trainer.options.transformer_engine = true``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from milehpc.config.job import ModelSpec, TrainerSpec
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the converters and the model builder need to know about an HF config."""
+
+    model_type: str  # qwen2 | llama | qwen2_moe | mixtral
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_size: int = 0  # Qwen2-MoE: a sigmoid-gated shared expert next to the routed ones
+    moe_norm_topk: bool = True  # renormalise the top-k probabilities (Mixtral) or not (Qwen2-MoE default)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def arch_of(hf_config: Any) -> Arch:
+    """Read an HF (transformers) config of a Qwen2 / Llama / Mixtral model."""
+    mt = hf_config.model_type
+    if mt not in ("qwen2", "llama", "qwen2_moe", "mixtral"):
+        raise ValueError(f"megatron trainer: expected a qwen2, llama, qwen2_moe or mixtral HF config, "
+                         f"got model_type={mt!r}")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"megatron trainer: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    experts = {"mixtral": getattr(hf_config, "num_local_experts", 0),
+               "qwen2_moe": getattr(hf_config, "num_experts", 0)}.get(mt, 0)
+    if mt == "qwen2_moe" and (hf_config.mlp_only_layers or hf_config.decoder_sparse_step != 1):
+        raise ValueError("megatron trainer: qwen2_moe with dense layers (mlp_only_layers/decoder_sparse_step) "
+                         "is not supported")
+    return Arch(
+        model_type=mt,
+        hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        intermediate_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope_theta=float(theta),
+        max_position_embeddings=hf_config.max_position_embeddings,
+        qkv_bias=mt in ("qwen2", "qwen2_moe") or bool(getattr(hf_config, "attention_bias", False)),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        num_experts=experts,
+        moe_top_k=getattr(hf_config, "num_experts_per_tok", 0) if experts else 0,
+        moe_intermediate_size=getattr(hf_config, "moe_intermediate_size", hf_config.intermediate_size) if experts
+        else 0,
+        shared_expert_size=(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if mt == "qwen2_moe" else 0,
+        moe_norm_topk=bool(getattr(hf_config, "norm_topk_prob", True)) if mt == "qwen2_moe" else True,
+    )
+
+
+def hf_config_for(model: ModelSpec, vocab_size: int, *, pad_id: int = 0, eos_id: int = 2) -> Any:
+    """The HF config of a job's model: the checkpoint's config.json, or the one the loop's model builder
+    (milehpc.train.model) makes from the job spec's table, so trainer and rollout engine agree on every constant."""
+    if model.path:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model.path, local_files_only=True)
+    from milehpc.train.model import hf_config
+
+    return hf_config(model, vocab_size, pad_id=pad_id, eos_id=eos_id)
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Megatron splits the vocabulary over TP ranks; pad to a multiple of tp (rows beyond the HF vocab are masked)."""
+    return -(-vocab_size // tp) * tp
+
+
+def transformer_config(
+    arch: Arch,
+    trainer: TrainerSpec,
+    *,
+    routing_replay: bool = False,
+    use_cpu_initialization: bool = True,
+    seq_length: int | None = None,
+) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    opts = trainer.options
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}[trainer.precision]
+    kw: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=False,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=trainer.tp,
+        pipeline_model_parallel_size=trainer.pp,
+        expert_model_parallel_size=trainer.ep,
+        use_cpu_initialization=use_cpu_initialization,
+        params_dtype=dtype,
+        bf16=trainer.precision in ("bf16", "fp8"),
+        pipeline_dtype=dtype,
+        init_method_std=float(opts.get("init_std", 0.02)),
+    )
+    if trainer.precision == "fp8":
+        kw.update(fp8="hybrid", fp8_recipe=trainer.fp8_recipe)
+    if arch.is_moe:
+        kw.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_top_k,
+            moe_ffn_hidden_size=arch.moe_intermediate_size,
+            # Renormalised (Mixtral): top-k on logits, softmax over the k. Not renormalised (Qwen2-MoE): softmax
+            # over all experts, then top-k of those probabilities.
+            moe_router_pre_softmax=not arch.moe_norm_topk,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type=str(opts.get("moe_load_balancing", "none")),
+            moe_aux_loss_coeff=float(opts.get("moe_aux_loss_coeff", 0.0)),
+            # alltoall needs CUDA streams; allgather runs on CPU (and is fine at small EP).
+            moe_token_dispatcher_type=str(opts.get("moe_dispatcher", "alltoall" if torch.cuda.is_available()
+                                                   else "allgather")),
+            moe_grouped_gemm=False,
+            moe_enable_routing_replay=routing_replay,
+        )
+        if arch.shared_expert_size:
+            kw.update(moe_shared_expert_intermediate_size=arch.shared_expert_size, moe_shared_expert_gate=True)
+    return TransformerConfig(**kw)
+
+
+def use_transformer_engine(trainer: TrainerSpec) -> bool:
+    """TE layers on GPUs for bf16/fp8 (or when asked); never on CPU, where TE cannot run."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    return bool(trainer.options.get("transformer_engine", trainer.precision in ("bf16", "fp8")))
+
+
+def layer_spec(arch: Arch, *, te: bool) -> Any:
+    if te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts or None)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(num_experts=arch.num_experts or None, normalization="RMSNorm")
+
+
+def build_gpt(arch: Arch, config: Any, *, tp: int, te: bool = False, pre_process: bool | None = None,
+              post_process: bool | None = None) -> Any:
+    """This pipeline stage's GPTModel (parallel_state must be initialised). Logits stay vocab-parallel."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    if arch.is_moe and config.moe_enable_routing_replay:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()  # the registry is per process; one model per trainer
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch, te=te),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
+        post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rope_theta,
+    )
+
+
+def attention_mask(valid: torch.Tensor) -> torch.Tensor:
+    """Causal + key-padding mask in Megatron's convention: bool [B, 1, T, T], True = masked out.
+
+    ``valid`` is [B, T] (1 for real tokens). Padded query rows keep their diagonal so no row is fully masked.
+    """
+    import torch
+
+    t = valid.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
+    allowed = causal[None] & valid.bool()[:, None, :]
+    allowed |= torch.eye(t, dtype=torch.bool, device=valid.device)[None]
+    return (~allowed)[:, None]

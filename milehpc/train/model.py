@@ -1,0 +1,81 @@
+"""HF-architecture models for the reference engine and trainer: a tiny Qwen2/Llama built from the job's
+``[model]`` table (random init, seeded) or a checkpoint loaded from a local folder. No downloads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from milehpc.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from milehpc.config.job import ModelSpec
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+            "float16": torch.float16}[name]
+
+
+def hf_config(spec: ModelSpec, vocab_size: int, *, pad_id: int = 0, eos_id: int = 2) -> Any:
+    """The HF config for ``spec`` (Qwen2 or Llama shapes; MoE via Qwen2-MoE when ``num_experts > 0``)."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=spec.vocab_size or vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        intermediate_size=spec.intermediate_size, max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=pad_id, eos_token_id=eos_id,
+        bos_token_id=None, attn_implementation="sdpa",
+    )
+    if (spec.vocab_size or vocab_size) < vocab_size:
+        raise ConfigError(f"expected vocab_size >= the tokenizer's {vocab_size}, got {spec.vocab_size}",
+                          field="model.vocab_size")
+    if spec.num_experts > 0:
+        if spec.arch != "qwen2":
+            raise ConfigError("expected arch = 'qwen2' for a mixture of experts", field="model.arch")
+        return tf.Qwen2MoeConfig(**common, num_experts=spec.num_experts, num_experts_per_tok=spec.moe_top_k,
+                                 moe_intermediate_size=spec.intermediate_size,
+                                 shared_expert_intermediate_size=spec.intermediate_size)
+    cls = {"qwen2": tf.Qwen2Config, "llama": tf.LlamaConfig}[spec.arch]
+    return cls(**common)
+
+
+def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int = 0, eos_id: int = 2,
+                value_head: bool = False) -> torch.nn.Module:
+    """A causal LM (or, with ``value_head``, a per-token scalar critic) from ``spec``.
+
+    Random init is seeded so every rank that builds the model gets identical weights.
+    """
+    import torch
+    import transformers as tf
+
+    dtype = torch_dtype(spec.dtype)
+    if spec.path:
+        path = Path(spec.path)
+        if not path.is_dir():
+            raise ConfigError(f"expected a local HF checkpoint folder, got {spec.path!r}", field="model.path")
+        if value_head:
+            model = tf.AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                                      local_files_only=True)
+        else:
+            model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        return model
+    config = hf_config(spec, vocab_size, pad_id=pad_id, eos_id=eos_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if value_head:
+            config.num_labels = 1
+            model = tf.AutoModelForTokenClassification.from_config(config)
+        else:
+            model = tf.AutoModelForCausalLM.from_config(config)
+    return model.to(dtype)
+
+
+def save_model(model: Any, path: str | Path) -> None:
+    """Write an HF folder that ``model.path`` can load."""
+    model.save_pretrained(str(path))

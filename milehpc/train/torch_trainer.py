@@ -1,0 +1,344 @@
+"""The reference trainer: HF-architecture models in plain PyTorch, data parallel over the default process group
+(gloo on CPU, NCCL on GPUs) with DDP, or FSDP2 (``fully_shard``) with ``trainer.options.fsdp = true``.
+
+One ``train_step`` = one optimizer step over this DP rank's share of the batch: micro-batches with gradient
+accumulation (DDP syncs only on the last), clipping, AdamW, an LR schedule. The logprobs and entropy that the
+metrics report come from the very forward pass that the loss uses (:meth:`TorchTrainer.forward`), so the
+train–inference comparison measures what the loss sees. A frozen reference copy (KL) and a critic (PPO+GAE)
+are built when the algorithm asks for them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from milehpc.rollout.sample import Sample
+
+if TYPE_CHECKING:
+    import torch
+
+    from milehpc.config.job import JobSpec
+    from milehpc.rollout.batch import Batch
+
+
+def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak LR at optimizer step ``step``: linear warm-up, then constant/cosine/linear to
+    ``min_ratio``."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def _dist() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Reduce a few floats over the DP group (the default process group = the trainer ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    if _dist()[1] == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.tolist()
+
+
+def _mean_over_dp(metrics: dict[str, float]) -> dict[str, float]:
+    keys = sorted(metrics)
+    _, size = _dist()
+    return {k: v / size for k, v in zip(keys, _all_reduce([float(metrics[k]) for k in keys]), strict=True)}
+
+
+class TorchTrainer:
+    """Implements :class:`milehpc.train.base.Trainer` for HF causal LMs."""
+
+    def __init__(self, job: JobSpec, tokenizer: Any, *, device: Any = "cpu", algorithm: Any = None,
+                 options: dict[str, Any] | None = None, model: Any = None) -> None:
+        import torch
+
+        from milehpc.train.model import build_model
+
+        self.job, self.tokenizer = job, tokenizer
+        self.options = {"fsdp": False, "critic_lr": 1e-4, **(options or {})}
+        self.device = torch.device(device)
+        self.rank, self.dp_size = _dist()
+        self.pad_id = int(tokenizer.pad_id)
+        t = job.rollout.temperature
+        self.temperature = t if t > 0 else 1.0
+        if algorithm is None:
+            from milehpc.algorithms.api import Algorithm
+
+            algorithm = Algorithm.from_job(job)
+        self.algorithm = algorithm
+        spec = job.model
+        # Same seed on every rank: DP replicas (and the rollout engines) start from identical weights.
+        self.module = (model if model is not None else
+                       build_model(spec, tokenizer.vocab_size, seed=job.run.seed, pad_id=self.pad_id,
+                                   eos_id=tokenizer.eos_id)).to(self.device)
+        self.model = self._wrap(self.module)
+        self.optimizer = self._adamw(self.model.parameters(), job.trainer.lr)
+        self.scheduler = self._schedule(self.optimizer, job.trainer.lr)
+        self.ref: Any = None
+        self.critic = self.critic_module = self.critic_opt = None
+        if getattr(algorithm, "needs_critic", False):
+            self.critic_module = build_model(spec, tokenizer.vocab_size, seed=job.run.seed + 1, pad_id=self.pad_id,
+                                             eos_id=tokenizer.eos_id, value_head=True).to(self.device)
+            self.critic = self._wrap(self.critic_module)
+            self.critic_opt = self._adamw(self.critic.parameters(), float(self.options["critic_lr"]))
+        self.version = 0  # weight version: number of optimizer steps taken since RL began
+        self.steps = 0
+
+    # ---- construction helpers ----------------------------------------------
+    def _wrap(self, module: Any) -> Any:
+        if self.dp_size == 1:
+            return module
+        if self.options["fsdp"]:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in module.model.layers:
+                fully_shard(layer)
+            return fully_shard(module)
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, device_ids=None if self.device.type == "cpu" else [self.device])
+
+    def _adamw(self, params: Iterable[Any], lr: float) -> Any:
+        import torch
+
+        tr = self.job.trainer
+        return torch.optim.AdamW(params, lr=lr, betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_eps,
+                                 weight_decay=tr.weight_decay)
+
+    def _schedule(self, optimizer: Any, peak: float) -> Any:
+        import torch
+
+        tr = self.job.trainer
+        min_ratio = tr.min_lr / peak if peak else 0.0
+        total = math.ceil(self.job.run.steps / 1)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+            s, warmup=tr.warmup_steps, total=total, schedule=tr.lr_schedule, min_ratio=min_ratio))
+
+    # ---- forward (the one code path for loss, metrics and logprob checks) --------------------
+    def forward(self, model: Any, batch: Batch, *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[B, R]`` logprobs of the response tokens (at the rollout temperature) and optionally entropy."""
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids, use_cache=False).logits
+        logp = batch.response_logprobs(logits, self.temperature)
+        ent = batch.response_entropy(logits, self.temperature) if entropy else None
+        return logp, ent
+
+    def values(self, batch: Batch) -> torch.Tensor:
+        """``[B, R]`` critic values at the positions that predict each response token."""
+        out = self.critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          position_ids=batch.position_ids).logits[..., 0]
+        return batch.response_logits(out.unsqueeze(-1))[..., 0]
+
+    def _batch(self, samples: list[Sample]) -> Batch:
+        from milehpc.rollout.batch import to_batch
+
+        return to_batch(samples, self.pad_id).to(self.device)
+
+    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        import torch
+
+        batch = self._batch(samples)
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for mb in batch.split(self.job.trainer.micro_batch_size):
+                logp, _ = self.forward(self.module, mb)
+                out += [row[: int(n)] for row, n in zip(logp.tolist(), mb.response_lengths.tolist(), strict=True)]
+        return out
+
+    # ---- reference model ---------------------------------------------------
+    def freeze_reference(self) -> None:
+        """Snapshot the current policy as the KL reference (called when RL begins, after any SFT warm-up)."""
+        if getattr(self.algorithm, "needs_ref", False) and self.ref is None:
+            self.ref = copy.deepcopy(self.module).eval()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
+
+    # ---- SFT warm-up ---------------------------------------------------------
+    def sft_step(self, samples: list[Sample], optimizer: Any) -> dict[str, float]:
+        """One supervised step (token-mean NLL over the response, global over DP) on labelled samples."""
+        import torch
+
+        batch = self._batch(samples)
+        tokens = _all_reduce([batch.num_tokens])[0]
+        self.model.train()
+        total = 0.0
+        mbs = batch.split(self.job.trainer.micro_batch_size)
+        for i, mb in enumerate(mbs):
+            with self._no_sync(self.model, last=i == len(mbs) - 1):
+                logp, _ = self.forward(self.model, mb)
+                loss = -(logp * mb.response_mask).sum() / max(tokens, 1.0) * self.dp_size
+                loss.backward()
+            total += float(loss.detach()) / self.dp_size
+        grad_norm = self._clip(self.model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"sft/loss": _all_reduce([total])[0], "sft/grad_norm": grad_norm}
+
+    # ---- RL step -------------------------------------------------------------
+    def _no_sync(self, model: Any, *, last: bool) -> Any:
+        import contextlib
+
+        if last or model is None or not hasattr(model, "no_sync"):
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    def _clip(self, model: Any) -> float:
+        import torch
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.job.trainer.clip_grad or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _prepare(self, batch: Batch) -> None:
+        """No-grad passes before the update: reference logprobs, critic values, then advantages."""
+        import torch
+
+        mbs = batch.split(self.job.trainer.micro_batch_size)
+        with torch.no_grad():
+            if self.ref is not None:
+                batch.ref_logprobs = torch.cat([self.forward(self.ref, mb)[0] for mb in mbs])
+            if self.critic is not None:
+                batch.values = torch.cat([self.values(mb) for mb in mbs])
+            # With one epoch the loss's own forward gives the old logprobs (ratio = 1 exactly, as nothing
+            # changed before the optimizer step); more epochs need them fixed before the first update.
+            if getattr(self.algorithm, "needs_old_logprobs", self.job.algorithm.ppo_epochs > 1):
+                batch.old_logprobs = torch.cat([self.forward(self.module, mb)[0] for mb in mbs])
+        return self.algorithm.compute_advantages(batch) or {}
+
+    def train_step(self, samples: list[Sample], step: int) -> dict[str, float]:
+        import torch
+
+        t0 = time.perf_counter()
+        batch = self._batch(samples)
+        self.model.train()
+        adv_metrics = self._prepare(batch)
+        tokens, seqs = _all_reduce([batch.num_tokens, batch.num_seqs])
+        sums: dict[str, float] = {}
+        diff_max, diff_sum, diff_n = 0.0, 0.0, 0.0
+        grad_norm = 0.0
+        mbs = batch.split(self.job.trainer.micro_batch_size)
+        for epoch in range(self.job.algorithm.ppo_epochs):
+            for i, mb in enumerate(mbs):
+                last = i == len(mbs) - 1
+                with self._no_sync(self.model, last=last), self._no_sync(self.critic, last=last):
+                    logp, ent = self.forward(self.model, mb, entropy=True)
+                    values = self.values(mb) if self.critic is not None else None
+                    loss, metrics = self.algorithm.loss(logp, mb, entropy=ent, values=values,
+                                                        global_tokens=tokens, global_seqs=seqs,
+                                                        dp_size=self.dp_size)
+                    loss.backward()
+                w = mb.num_tokens / max(tokens / self.dp_size, 1.0)  # token share of this rank's batch
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * w / self.job.algorithm.ppo_epochs
+                if epoch == 0 and mb.rollout_logprobs is not None:
+                    # Train–inference mismatch on tokens sampled by the very weights we hold now.
+                    fresh = torch.tensor([s.weight_version == self.version for s in mb.samples],
+                                         dtype=torch.bool, device=self.device)
+                    m = mb.response_mask.bool() & fresh[:, None]
+                    if m.any():
+                        d = (logp.detach() - mb.rollout_logprobs).abs()[m]
+                        diff_max = max(diff_max, float(d.max()))
+                        diff_sum, diff_n = diff_sum + float(d.sum()), diff_n + float(d.numel())
+            grad_norm = self._clip(self.model)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.critic is not None:
+                critic_norm = self._clip(self.critic)
+                self.critic_opt.step()
+                self.critic_opt.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.version += 1
+        self.steps += 1
+        keys = sorted(sums)
+        reduced = _all_reduce([sums[k] for k in keys] + [diff_sum, diff_n])
+        out = {f"train/{k}": v / self.dp_size for k, v in zip(keys, reduced, strict=False)}
+        out.update({f"train/{k}": v for k, v in _mean_over_dp(adv_metrics).items()})
+        out["train/grad_norm"] = grad_norm
+        if self.critic is not None:
+            out["critic/grad_norm"] = critic_norm
+        out["train/lr"] = self.scheduler.get_last_lr()[0]
+        out["train/tokens"] = tokens
+        if reduced[-1] > 0:
+            out["train/logprob_diff_mean"] = reduced[-2] / reduced[-1]
+            out["train/logprob_diff_max"] = _all_reduce([diff_max], "max")[0]
+        out["time/train_compute"] = time.perf_counter() - t0
+        return out
+
+    # ---- weights and state -------------------------------------------------
+    def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Full weights in HF naming; with FSDP2 every rank must call this (it all-gathers)."""
+        for name, tensor in self.module.state_dict().items():
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            yield name, tensor.detach()
+
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        import torch
+
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "version": self.version, "steps": self.steps,
+                 "rng": torch.get_rng_state()}
+        if self.critic is not None:
+            state["critic"] = self.critic_module.state_dict()
+            state["critic_optimizer"] = self.critic_opt.state_dict()
+        if self.ref is not None:
+            state["ref"] = self.ref.state_dict()
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        import torch
+
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version, self.steps = int(state["version"]), int(state["steps"])
+        torch.set_rng_state(state["rng"])
+        if self.critic is not None and "critic" in state:
+            self.critic_module.load_state_dict(state["critic"])
+            self.critic_opt.load_state_dict(state["critic_optimizer"])
+        if "ref" in state:
+            self.freeze_reference()
+            if self.ref is not None:
+                self.ref.load_state_dict(state["ref"])
+
+    def offload(self) -> None:
+        """CPU: nothing to move."""
+
+    def onload(self) -> None:
+        """CPU: nothing to move."""
+
+
+def from_context(ctx: Any) -> TorchTrainer:
+    """Trainer factory (``impl(ctx)``): the job's model on this rank's device, DP over the trainer group."""
+    from milehpc import plugins
+    from milehpc.config.schema import check_params
+    from milehpc.data.tokenizer import build_tokenizer
+
+    job = ctx.job
+    spec = plugins.lookup("trainer", job.trainer.backend)
+    options = check_params(spec.defaults, job.trainer.options, file=None, prefix="trainer.options")
+    device = getattr(getattr(ctx, "comms", None), "device", None) or "cpu"
+    return TorchTrainer(job, build_tokenizer(job.model.tokenizer), device=device, options=options)

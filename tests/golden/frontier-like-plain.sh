@@ -1,0 +1,91 @@
+#!/bin/bash
+# milehpc job golden on site frontier-like, partition batch
+# 4 rank(s) on 1 node(s): trainer ranks 0-1 (tp=1 pp=1 dp=2), 2 rollout engine(s) x 1
+# Rendered by milehpc; rerun `milehpc render` rather than editing.
+#SBATCH --job-name=golden
+#SBATCH --nodes=1
+#SBATCH --ntasks=4
+#SBATCH --ntasks-per-node=4
+#SBATCH --cpus-per-task=7
+#SBATCH --time=00:30:00
+#SBATCH --output=/scratch/milehpc/runs/golden/logs/slurm-%j.out
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --gpus-per-node=8
+#SBATCH --partition=batch
+#SBATCH --core-spec=8
+#SBATCH --network=disable_rdzv_get
+set -eo pipefail
+
+export MILEHPC_RUN_DIR=/scratch/milehpc/runs/golden
+mkdir -p "$MILEHPC_RUN_DIR/logs" "$MILEHPC_RUN_DIR/.milehpc"
+module load PrgEnv-gnu
+module load rocm
+module load rccl-net-plugin
+module load craype-accel-amd-gfx90a
+
+# Environment of every rank (site values cite the site's user guide; job [env] last).
+export PYTHONUNBUFFERED=1
+export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3
+export NCCL_CROSS_NIC=1
+export NCCL_NET_GDR_LEVEL=PHB
+export HSA_FORCE_FINE_GRAIN_PCIE=1
+export FI_MR_CACHE_MONITOR=kdreg2
+export FI_CXI_DISABLE_HOST_REGISTER=1
+export FI_CXI_DEFAULT_CQ_SIZE=131072
+export FI_CXI_DEFAULT_TX_SIZE=2048
+export FI_CXI_RX_MATCH_MODE=hybrid
+export FI_CXI_RDZV_PROTO=alt_read
+export FI_CXI_RDZV_EAGER_SIZE=0
+export FI_CXI_RDZV_THRESHOLD=0
+export FI_CXI_RDZV_GET_MIN=0
+export MIOPEN_USER_DB_PATH="/tmp/${USER}-miopen-cache-${SLURM_JOB_ID}"
+export MIOPEN_CUSTOM_CACHE_DIR="/tmp/${USER}-miopen-cache-${SLURM_JOB_ID}"
+export TRITON_CACHE_DIR="/tmp/${USER}-triton-cache-${SLURM_JOB_ID}"
+export MILEHPC_EXAMPLE="${HOME}/data"
+if [ "${SLURM_JOB_NUM_NODES:-1}" -eq 1 ]; then
+    export NCCL_NET=Socket
+else
+    export NCCL_NET=OFI
+fi
+
+# Rendezvous for torch.distributed: this shell runs on the first node; the port is seeded by the job id so
+# that jobs sharing a node do not collide (rank 0 still checks it is free).
+MASTER_ADDR=$(hostname -i | awk '{print $1}')
+export MASTER_ADDR
+export MASTER_PORT=$(( 20000 + ${SLURM_JOB_ID:-$$} % 40000 ))
+export MILEHPC_RESTART_COUNT="${SLURM_RESTART_COUNT:-0}"
+
+# Wall time / preemption: a signal asks the ranks to checkpoint at their next step boundary
+# (milehpc.runtime.signals); the ranks then exit with 75.
+milehpc_request_checkpoint() {
+    echo "milehpc: signal received, asking the ranks to checkpoint" >&2
+    : > "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
+}
+trap milehpc_request_checkpoint USR1 TERM
+rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
+
+echo "milehpc: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST; master $MASTER_ADDR:$MASTER_PORT" >&2
+# ONE MPI world holds the trainer and the rollout ranks; each rank finds its role in plan.json.
+srun --mpi=cray_shasta --nodes=1 --ntasks=4 --ntasks-per-node=4 --cpus-per-task=7 --gpus-per-task=1 --gpu-bind=closest --kill-on-bad-exit=1 /opt/milehpc/venv/bin/python -m milehpc launch "$MILEHPC_RUN_DIR" &
+step=$!
+# `wait` returns early (status > 128) when a trapped signal arrives: keep waiting for the step itself.
+while true; do
+    set +e
+    wait "$step"
+    rc=$?
+    set -e
+    kill -0 "$step" 2>/dev/null || break
+done
+
+if [ "$rc" -eq 75 ]; then
+    restarts="${SLURM_RESTART_COUNT:-0}"
+    if [ "$restarts" -lt 3 ]; then
+        echo "milehpc: ranks checkpointed; requeueing (restart $((restarts + 1)) of 3)" >&2
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 0
+    fi
+    echo "milehpc: ranks checkpointed but max_restarts (3) is reached; resume with: milehpc submit --resume $MILEHPC_RUN_DIR" >&2
+fi
+exit "$rc"

@@ -1,0 +1,66 @@
+#!/bin/bash
+# milehpc job golden on site local (no scheduler): 4 rank(s) with mpirun
+# trainer ranks 0-1 (tp=1 pp=1 dp=2), 2 rollout engine(s) x 1
+# Rendered by milehpc; rerun `milehpc render` rather than editing.
+set -eo pipefail
+
+export MILEHPC_RUN_DIR=/scratch/milehpc/runs/golden
+mkdir -p "$MILEHPC_RUN_DIR/logs" "$MILEHPC_RUN_DIR/.milehpc"
+
+# Environment of every rank (site values cite the site's user guide; job [env] last).
+export PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS=1
+export MILEHPC_EXAMPLE="${HOME}/data"
+
+# Rendezvous for torch.distributed: this shell runs on the first node; the port is seeded by the job id so
+# that jobs sharing a node do not collide (rank 0 still checks it is free).
+MASTER_ADDR=127.0.0.1
+export MASTER_ADDR
+export MASTER_PORT=$(( 20000 + ${SLURM_JOB_ID:-$$} % 40000 ))
+export MILEHPC_RESTART_COUNT="${SLURM_RESTART_COUNT:-0}"
+
+# Wall time / preemption: a signal asks the ranks to checkpoint at their next step boundary
+# (milehpc.runtime.signals); the ranks then exit with 75.
+milehpc_request_checkpoint() {
+    echo "milehpc: signal received, asking the ranks to checkpoint" >&2
+    : > "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
+}
+trap milehpc_request_checkpoint USR1 TERM
+rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
+
+# Each task enters the container with a clean environment; pass on what the ranks need by name.
+milehpc_rank() {
+    local v
+    for v in $(compgen -e); do
+        case "$v" in
+            SLURM_*|PMIX_*|PMI_*|OMPI_*|MILEHPC_*|MASTER_*) export "APPTAINERENV_$v=${!v}" ;;
+        esac
+    done
+    for v in CUDA_VISIBLE_DEVICES GPU_DEVICE_ORDINAL MILEHPC_EXAMPLE OMP_NUM_THREADS PYTHONUNBUFFERED ROCR_VISIBLE_DEVICES; do
+        if [ -n "${!v+x}" ]; then export "APPTAINERENV_$v=${!v}"; fi
+    done
+    exec apptainer exec --cleanenv --bind /scratch/milehpc/runs/golden /images/milehpc.sif python3 -m milehpc launch "$MILEHPC_RUN_DIR"
+}
+export -f milehpc_rank
+trap milehpc_request_checkpoint USR1 TERM INT
+# Open MPI refuses to start as root unless told (containers and CI run as root).
+if [ "$(id -u)" -eq 0 ]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+
+# ONE MPI world holds the trainer and the rollout ranks; each rank finds its role in plan.json.
+/opt/milehpc/venv/bin/mpirun -np 4 --oversubscribe --bind-to none bash -c milehpc_rank &
+step=$!
+# `wait` returns early (status > 128) when a trapped signal arrives: keep waiting for the step itself.
+while true; do
+    set +e
+    wait "$step"
+    rc=$?
+    set -e
+    kill -0 "$step" 2>/dev/null || break
+done
+
+if [ "$rc" -eq 75 ]; then
+    echo "milehpc: ranks checkpointed; resume with: milehpc submit --resume $MILEHPC_RUN_DIR" >&2
+fi
+exit "$rc"
