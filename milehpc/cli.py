@@ -282,3 +282,214 @@ def main() -> None:
 
 
 # Commands of later areas (launch, run, status, logs, ...) are added below.
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--entry", metavar="MODULE:FUNCTION", help="call this with the RunContext instead of the RL loop")
+def launch(run_dir: str, entry: str | None) -> None:
+    """Run one rank of a job (every rank runs this under srun or mpirun; `submit` writes the call).
+
+    \b
+    Example:
+      mpirun -np 4 milehpc launch runs/demo-20260101-120000
+    """
+    from milehpc.runtime.launch import launch as run_rank
+
+    run_rank(run_dir, entry)
+
+
+# ---- the job lifecycle (issue 3): status, logs, cancel, jobs, doctor ------------------------------------------
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_ids", metavar="[JOBID]...", nargs=-1)
+@json_option
+def status(job_ids: tuple[str, ...], as_json: bool) -> None:
+    """State of jobs (squeue, then sacct, then scontrol); no JOBID = this user's recent milehpc jobs.
+
+    \b
+    Examples:
+      milehpc status 1234 1235_2
+      milehpc status --json
+    """
+    from milehpc.scheduler import lifecycle
+
+    ids = list(job_ids) or [r["job_id"] for r in lifecycle.jobs(limit=20, with_status=False)]
+    if not ids:
+        raise MilehpcError("no job ids given and no milehpc jobs recorded yet", field="JOBID")
+    rows = lifecycle.status(ids)
+    if as_json:
+        _emit([r.to_dict() for r in rows])
+    else:
+        for r in rows:
+            detail = ", ".join(x for x in (r.reason, f"exit {r.exit_code}" if r.exit_code else "",
+                                           f"restarts {r.restarts}" if r.restarts else "",
+                                           f"elapsed {r.elapsed}" if r.elapsed else "") if x)
+            click.echo(f"{r.job_id:<12} {r.state:<11} {r.name:<20} {detail}"
+                       + (f"  [{r.extra['run_dir']}]" if r.extra.get("run_dir") else ""))
+    if any(r.state == "UNKNOWN" for r in rows) and job_ids:
+        unknown = [r.job_id for r in rows if r.state == "UNKNOWN"]
+        raise MilehpcError(f"unknown job id(s): {', '.join(unknown)} (not in squeue, sacct or scontrol)",
+                           field="JOBID")
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_id", metavar="JOBID")
+@click.option("-f", "--follow", is_flag=True, help="keep printing new output until the job ends")
+@click.option("--rank", type=click.IntRange(min=0), metavar="N", help="only rank N (its own log file, if written)")
+@click.option("--path", "path_only", is_flag=True, help="print the log file's path instead of its content")
+def logs(job_id: str, follow: bool, rank: int | None, path_only: bool) -> None:
+    """Print a job's output: the batch log, or one rank's log with --rank.
+
+    \b
+    Examples:
+      milehpc logs 1234 -f
+      milehpc logs 1234 --rank 3
+      milehpc logs 1234_2          # element 2 of a sweep
+    """
+    from milehpc.scheduler import lifecycle
+
+    if path_only:
+        click.echo(str(lifecycle.log_path(job_id, rank)))
+        return
+    lifecycle.print_log(job_id, rank=rank, follow=follow)
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_id", metavar="JOBID")
+def cancel(job_id: str) -> None:
+    """Cancel a job (scancel; a local job gets SIGTERM).
+
+    \b
+    Example:
+      milehpc cancel 1234
+    """
+    from milehpc.scheduler import lifecycle
+
+    click.echo(lifecycle.cancel(job_id))
+
+
+@cli.command(context_settings=CONTEXT)
+@click.option("-n", "--last", "limit", type=click.IntRange(min=0), default=20, show_default=True,
+              help="how many of the newest jobs (0 = all)")
+@json_option
+def jobs(limit: int, as_json: bool) -> None:
+    """This user's milehpc jobs (from the local record of submissions), with state and run directory.
+
+    \b
+    Example:
+      milehpc jobs --last 5
+    """
+    from milehpc.scheduler import lifecycle
+
+    rows = lifecycle.jobs(limit=limit or None)
+    if as_json:
+        _emit(rows)
+        return
+    if not rows:
+        click.echo("no milehpc jobs recorded yet")
+        return
+    for r in rows:
+        sweep = f" sweep {r['sweep']['key']}={','.join(r['sweep']['values'])}" if r.get("sweep") else ""
+        click.echo(f"{r['job_id']:<12} {r['state']:<11} {r['name']:<20} {r['site']:<16} {r['submitted']}  "
+                   f"{r['run_dir']}{sweep}")
+
+
+@cli.command(context_settings=CONTEXT)
+@site_option
+@click.argument("job_file", metavar="[JOB.toml]", required=False, type=click.Path(dir_okay=False))
+@json_option
+def doctor(site: str | None, job_file: str | None, as_json: bool) -> None:
+    """Check what a run on a site needs, here (login node) or inside a job; one line per finding.
+
+    Checks Slurm (sbatch/srun, slurmctld, the partition), mpi4py's MPI library against the launcher's PMI,
+    GPUs against the site, the collective-network variables, modules, the container runtime and image.
+    Exit code 1 when something FAILs.
+
+    \b
+    Examples:
+      milehpc doctor --site frontier-like
+      milehpc doctor --site local-slurm job.toml --json
+    """
+    from milehpc.doctor import FAIL, run_doctor
+
+    findings = run_doctor(_site(site), job_file)
+    if as_json:
+        _emit([f.__dict__ for f in findings])
+    else:
+        for f in findings:
+            click.echo(f.line())
+    if any(f.level == FAIL for f in findings):
+        sys.exit(1)
+
+
+# ---- the RL loop (issue 6): run, rollouts, plot -------------------------------------------------------------
+
+@cli.command("run", context_settings=CONTEXT)
+@click.argument("job_file", metavar="JOB.toml", type=click.Path(dir_okay=False))
+@site_option
+@set_option
+@run_dir_option
+def run_cmd(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir: str | None) -> None:
+    """Write the run directory like `submit`, then run the job here in the foreground (mpirun on the local site).
+
+    \b
+    Examples:
+      milehpc run examples/cpu-demo.toml --site local
+      milehpc run examples/cpu-demo.toml --set run.steps=50 --set run.loop=sync
+    """
+    from milehpc.runtime.foreground import run_job, summary
+
+    code, rdir = run_job(job_file, _site(site), overrides, run_dir=run_dir)
+    line = summary(rdir)
+    if line:
+        click.echo(f"milehpc: {line}")
+    if code:
+        click.echo(f"milehpc: error: the job exited with code {code} (logs in {rdir})", err=True)
+        sys.exit(code)
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--step", type=click.IntRange(min=0), required=True, help="the step whose rollouts to show")
+@click.option("-n", "--limit", type=click.IntRange(min=0), default=20, show_default=True, help="samples (0 = all)")
+@json_option
+def rollouts(run_dir: str, step: int, limit: int, as_json: bool) -> None:
+    """Show the rollouts dumped at one step (RUN_DIR/rollouts/step_NNNNNN.h5): prompt, response, reward.
+
+    \b
+    Example:
+      milehpc rollouts runs/cpu-demo-20261129-120000 --step 10 -n 5
+    """
+    from milehpc.runtime.foreground import format_rollouts
+
+    rows, attrs = format_rollouts(run_dir, step, limit=limit)
+    if as_json:
+        _emit({"attrs": attrs, "samples": rows})
+        return
+    click.echo(f"step {step}: {attrs['samples']} samples, mean reward {attrs['reward_mean']:.3f}")
+    for r in rows:
+        click.echo(f"[{r['group']}:{r['index']}] v{r['version']} {r['status']:<9} reward {r['reward']:.3f}  "
+                   f"{r['prompt']!r} -> {r['response']!r} (label {r['label']!r}, {len(r['response_ids'])} tokens)")
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="PNG path (default RUN_DIR/reward.png)")
+@click.option("--metric", default="rollout/reward_mean", show_default=True, help="the metric to plot")
+def plot(run_dir: str, output: str | None, metric: str) -> None:
+    """Write a PNG of the reward curve of a run (needs matplotlib: pip install 'milehpc[plot]').
+
+    \b
+    Example:
+      milehpc plot runs/cpu-demo-20261129-120000
+    """
+    from milehpc.errors import missing_dependency
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise missing_dependency("milehpc plot", "matplotlib", extra="plot") from None
+    from milehpc.runtime.metrics import plot_rewards
+
+    click.echo(str(plot_rewards(run_dir, output, metric)))

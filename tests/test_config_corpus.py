@@ -109,8 +109,10 @@ def test_broken_job(path: Path, tmp_path: Path) -> None:
     for args in commands(path, site, head.get("set", []), tmp_path / "run"):
         result = CliRunner().invoke(cli, args)
         assert_one_line_error(result, head["expect"][0], args)
-        assert str(path) in result.stderr or "--set" in result.stderr or "--site" in result.stderr, (
-            "the error names the file (or the option) it comes from")
+        if not any(where in result.stderr for where in (str(path), "--set", "--site", "job [site]")):
+            if "known-gap" in head:
+                pytest.xfail(head["known-gap"][0])
+            pytest.fail(f"the error names neither the job file nor the option it comes from: {result.stderr}")
     assert not (tmp_path / "run").exists()
 
 

@@ -40,19 +40,23 @@ def token_level_rewards(batch: Batch) -> torch.Tensor:
     return out
 
 
-def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: its group's mean, unbiased std and size. A group of one has mean 0 and std 1 (verl)."""
+def group_stats(scores: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: its group's mean, unbiased std and size over the ``valid`` rows (default: all). A group of one
+    (or none) has mean 0 and std 1 (verl). FAILED samples are not valid: a failed reward must not move the
+    baseline of the others."""
     import torch
 
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1
     s = scores.to(torch.float64)  # the sums below stay exact enough for hand-checked tests
-    count = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, torch.ones_like(s))
-    total = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, s)
-    mean = total / count
-    sq = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, (s - mean[inverse]).square())
+    w = torch.ones_like(s) if valid is None else valid.to(s.dtype)
+    count = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, w)
+    total = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, s * w)
+    mean = total / count.clamp(min=1)
+    sq = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, (s - mean[inverse]).square() * w)
     std = (sq / (count - 1).clamp(min=1)).sqrt()
-    lone = count == 1
+    lone = count <= 1
     mean = torch.where(lone, torch.zeros_like(mean), mean)
     std = torch.where(lone, torch.ones_like(std), std)
     return (mean[inverse].to(scores.dtype), std[inverse].to(scores.dtype), count[inverse].to(scores.dtype))
@@ -62,11 +66,15 @@ def _per_token(seq_values: torch.Tensor, batch: Batch) -> torch.Tensor:
     return seq_values.unsqueeze(-1) * batch.response_mask
 
 
+def _valid(batch: Batch) -> torch.Tensor | None:
+    return None if batch.failed is None else ~batch.failed
+
+
 def grpo(batch: Batch, epsilon: float = 1e-6, norm_by_std: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: ``(s - mean_g) / (std_g + epsilon)``; with ``norm_by_std = false`` just ``s - mean_g`` (Dr. GRPO,
     https://arxiv.org/abs/2503.20783). verl: ``compute_grpo_outcome_advantage``."""
     scores = token_level_rewards(batch).sum(-1)
-    mean, std, _ = group_stats(scores, batch.group_ids)
+    mean, std, _ = group_stats(scores, batch.group_ids, _valid(batch))
     adv = (scores - mean) / (std + epsilon) if norm_by_std else scores - mean
     adv = _per_token(adv, batch)
     return adv, adv
@@ -78,7 +86,7 @@ def rloo(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     scores = token_level_rewards(batch).sum(-1)
-    mean, _, n = group_stats(scores, batch.group_ids)
+    mean, _, n = group_stats(scores, batch.group_ids, _valid(batch))
     adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), scores)
     adv = _per_token(adv, batch)
     return adv, adv
@@ -110,7 +118,7 @@ def reinforce_pp_baseline(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     ``compute_reinforce_plus_plus_baseline_outcome_advantage``)."""
     mask = batch.response_mask
     scores = token_level_rewards(batch).sum(-1)
-    mean, _, _ = group_stats(scores, batch.group_ids)
+    mean, _, _ = group_stats(scores, batch.group_ids, _valid(batch))
     adv = masked_whiten(_per_token(scores - mean, batch), mask) * mask
     return adv, adv
 

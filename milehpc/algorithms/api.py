@@ -109,8 +109,12 @@ class Algorithm:
     # -- advantages ----------------------------------------------------------------------------------------
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
-        """Fill ``batch.advantages`` and ``batch.returns`` (and ``batch.token_rewards`` when the KL penalty
-        goes in the reward). Returns metrics."""
+        """Fill ``batch.advantages`` and ``batch.returns``; returns metrics. Call it on the whole step's batch
+        before splitting it over DP ranks (group estimators need whole groups, whitening the whole batch).
+        With ``kl_in_reward`` the estimator sees ``r_t - kl_coef * kl_t`` (``batch.token_rewards`` itself is
+        left as it was, so calling this twice gives the same result)."""
+        from dataclasses import replace
+
         import torch
 
         from milehpc.algorithms.advantages import group_stats, token_level_rewards
@@ -119,6 +123,7 @@ class Algorithm:
         spec = self.spec
         mask = batch.response_mask
         metrics: dict[str, float] = {}
+        source = batch
         if spec.kl_in_reward and spec.kl_coef > 0:
             if batch.ref_logprobs is None:
                 raise ValueError("kl_in_reward needs batch.ref_logprobs (a reference policy)")
@@ -126,15 +131,16 @@ class Algorithm:
             if policy is None:
                 raise ValueError("kl_in_reward needs the policy's logprobs (old or rollout)")
             kl = kl_penalty(policy, batch.ref_logprobs, spec.kl_type) * mask
-            batch.token_rewards = token_level_rewards(batch) - spec.kl_coef * kl
+            source = replace(batch, token_rewards=token_level_rewards(batch) - spec.kl_coef * kl)
             metrics["reward/kl_penalty"] = float(masked_mean(kl, mask))
         if self.needs_critic and batch.values is None:
             raise ValueError(f"advantage '{self.names.get('advantage')}' needs batch.values (a critic)")
         with torch.no_grad():
-            adv, ret = self.advantage_fn(batch, **self.advantage_params)
+            adv, ret = self.advantage_fn(source, **self.advantage_params)
         batch.advantages, batch.returns = adv.detach(), ret.detach()
         rows = mask.sum(-1) > 0
-        _, std, size = group_stats(batch.rewards, batch.group_ids)
+        valid = None if batch.failed is None else ~batch.failed
+        _, std, size = group_stats(batch.rewards, batch.group_ids, valid)
         metrics.update({
             "reward/mean": float(batch.rewards[rows].mean()) if rows.any() else 0.0,
             "advantages/mean": float(masked_mean(adv, mask)),
@@ -143,6 +149,7 @@ class Algorithm:
             "advantages/min": float(adv[mask > 0].min()) if mask.any() else 0.0,
             # Groups whose rewards are all equal give no signal to group-relative estimators.
             "advantages/zero_std_fraction": float(((std == 0) & (size > 1)).float().mean()),
+            "reward/failed_fraction": float(batch.failed.float().mean()) if batch.failed is not None else 0.0,
         })
         return metrics
 

@@ -31,3 +31,5 @@ def milehpc_rewards() -> Iterator[RewardFunction]:
     yield RewardFunction(name="majority_vote", impl=_FN + "majority_vote", kind="group",
                          defaults={"extract": "auto", "math": True},
                          description="group reward, no labels: 1 for agreeing with the group's majority answer")
+    yield RewardFunction(name="combine", impl="milehpc.rewards.api:combine", kind="batch", defaults={"rewards": []},
+                         description="weighted sum of other rewards: rewards = [{name, weight, params}, ...]")

@@ -12,4 +12,4 @@ from milehpc.plugin_types import Trainer
 def milehpc_trainers() -> Iterator[Trainer]:
     yield Trainer(name="torch", impl="milehpc.train.torch_trainer:from_context",
                   description="PyTorch trainer for HF-architecture models (DDP; FSDP2 with options.fsdp = true)",
-                  defaults={"fsdp": False, "critic_lr": 1e-4}, requires=("torch", "transformers"))
+                  defaults={"fsdp": False, "critic_lr": 1e-4, "teacher_path": ""}, requires=("torch", "transformers"))

@@ -95,14 +95,16 @@ def site_data(name: str) -> tuple[dict[str, Any], str]:
     return expand_partitions(raw, file=origin), origin
 
 
-def load_site(name: str, job: JobSpec | None = None) -> tuple[Site, Partition]:
-    """The site and the partition the job runs on, with the job's ``[site]`` overrides applied and validated."""
+def load_site(name: str, job: JobSpec | None = None, job_file: str | None = None) -> tuple[Site, Partition]:
+    """The site and the partition the job runs on, with the job's ``[site]`` overrides applied and validated.
+
+    Errors in the site file name the site file; errors the job caused (its partition, its ``[site]`` table)
+    name the job file."""
     raw, origin = site_data(name)
     site = build(Site, raw, file=origin)
     part_name = job.resources.partition if job else None
-    partition = site.partition(part_name, file=origin)
+    partition = site.partition(part_name, file=job_file or origin)
     if job and job.site:
         part_raw = raw["partitions"][part_name or site.default_partition]
-        partition = build(Partition, deep_merge(part_raw, job.site), file=f"{origin} + job [site]",
-                          prefix="site")
+        partition = build(Partition, deep_merge(part_raw, job.site), file=job_file or "job [site]", prefix="site")
     return site, partition

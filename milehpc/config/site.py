@@ -55,7 +55,7 @@ def _check_env_names(env: dict[str, str], *, file: str | None, field: str) -> No
 @dataclass
 class ContainerPlatform:
     flags: list[str] = opt([], pattern=SLURM_OPT, expect="a container runtime option like --rocm")
-    binds: list[str] = opt([], pattern=r"[A-Za-z0-9_.,:/@%+${}-]+", expect="a bind spec src[:dst[:opts]]")
+    binds: list[str] = opt([], pattern=r"[A-Za-z0-9_.,:/@%+-]+", expect="a bind spec src[:dst[:opts]] (no variables)")
     env: dict[str, str] = opt({}, help="host variables read by the runtime (APPTAINERENV_X sets X inside)")
     modules: list[str] = opt([], pattern=MODULE, expect="a module name")
 

@@ -16,13 +16,12 @@ def apptainer_argv(plan: Plan, partition: Partition, container: ContainerSpec, r
     """``apptainer exec`` with the GPU flag for the site's vendor, a clean environment, and the binds
     (the run directory among them: the ranks read the plan there and write checkpoints)."""
     argv = ["apptainer", "exec", "--cleanenv"]
-    if plan.device_vendor == "nvidia":
-        argv.append("--nv")
-    elif plan.device_vendor == "amd":
-        argv.append("--rocm")
     platform = partition.containers.get("apptainer")
-    if platform:
-        argv += platform.flags
+    site_flags = platform.flags if platform else []
+    gpu_flag = {"nvidia": "--nv", "amd": "--rocm"}.get(plan.device_vendor)
+    if gpu_flag and gpu_flag not in site_flags:
+        argv.append(gpu_flag)
+    argv += [f for f in site_flags if f != "--cleanenv"]
     binds = [run_dir, *(platform.binds if platform else []), *container.binds]
     if binds:
         argv += ["--bind", ",".join(binds)]

@@ -49,7 +49,7 @@ def prepare(job_file: str, site_name: str, overrides: tuple[str, ...] = (), *, r
             python: str | None = None, mpirun: str | None = None, job: JobSpec | None = None) -> Prepared:
     """Validate everything and render the script, writing nothing."""
     job = job or load_job(job_file, overrides)
-    site, partition = load_site(site_name, job)
+    site, partition = load_site(site_name, job, job_file)
     part_name = job.resources.partition or site.default_partition
     plan = make_plan(job, partition, site=site.name, partition_name=part_name, file=job_file)
     _check_plugins(job, job_file)

@@ -7,6 +7,7 @@ are quoted with ``shlex.quote`` or validated before they reach the script (see `
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -31,7 +32,9 @@ class ScriptInputs:
     plan: Plan
     partition: Partition
     run_dir: str
-    python: str = field(default_factory=lambda: sys.executable)
+    # The Python every rank runs: the one running milehpc, unless MILEHPC_PYTHON names another (a compute-node
+    # environment, or a test's stand-in).
+    python: str = field(default_factory=lambda: os.environ.get("MILEHPC_PYTHON") or sys.executable)
     mpirun: str | None = None
     container_argv: list[str] = field(default_factory=list)
     job_file: str = ""
@@ -85,7 +88,8 @@ def _sbatch_options(inp: ScriptInputs) -> list[str]:
     for name in job.resources.use:
         if name not in part.resources:
             known = ", ".join(sorted(part.resources)) or "none"
-            raise ConfigError(f"unknown site resource {name!r} (expected one of: {known})", field="resources.use")
+            raise ConfigError(f"unknown site resource {name!r} (expected one of: {known})", file=inp.job_file or None,
+                              field="resources.use")
         opts += part.resources[name]
     opts += acc.options
     return opts
@@ -126,7 +130,7 @@ def render_script(inp: ScriptInputs) -> str:
     if part.scheduler == "slurm" and not shell.sbatch_path(inp.run_dir):
         raise ConfigError(
             f"expected a run directory path of letters, digits and ./_-@%+,:= (it goes on #SBATCH lines), got {inp.run_dir!r}",
-            field="run.run_dir")
+            file=inp.job_file or None, field="run.run_dir")
     env = {**part.env, **job.env}
     container_env = part.containers["apptainer"].env if inp.container_argv and "apptainer" in part.containers else {}
     forward = sorted({*env, *part.env_single_node, *part.env_multi_node, "PYTHONUNBUFFERED"})

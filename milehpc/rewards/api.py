@@ -117,10 +117,14 @@ class RewardRunner:
         plugins.check_requires(spec, f"reward '{name}'")
         params = check_params(spec.defaults, reward_spec.params, file=file, prefix="reward.params")
         kind = getattr(spec, "kind", "sample")
+        fn = spec.load()
+        validate = getattr(fn, "validate_params", None)
+        if validate is not None:  # a reward with structured params checks them now, not at the first step
+            validate(params, file=file)
         if kind not in KINDS:
             raise PluginError(f"reward '{name}' is registered with kind {kind!r} (expected one of: "
                               f"{', '.join(KINDS)})", file=file, field="reward.name")
-        return cls(name, spec.load(), kind, params, **common)
+        return cls(name, fn, kind, params, **common)
 
     # -- running -------------------------------------------------------------------------------------------
 
@@ -189,6 +193,9 @@ class RewardRunner:
             return [err] * len(unit)
         checked: list[Any] = []
         for v in values:
+            if isinstance(v, Exception):  # a group/batch reward may fail one of its samples this way
+                checked.append(v)
+                continue
             try:
                 checked.append(_check_value(v))
             except (TypeError, ValueError) as err:
@@ -205,3 +212,61 @@ class RewardRunner:
             vals = [s.reward[key] for s in ok if isinstance(s.reward, dict) and key in s.reward]
             metrics[f"reward/{key}"] = sum(vals) / len(vals)
         return metrics
+
+
+# -- combine: a weighted sum of other rewards ------------------------------------------------------------------
+
+def _components(rewards: list[Any], file: str | None = None) -> list[tuple[str, float, RewardRunner]]:
+    from milehpc.config.job import RewardSpec
+    from milehpc.errors import MilehpcError
+
+    out = []
+    for i, item in enumerate(rewards):
+        where = f"reward.params.rewards[{i}]"
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not set(item) <= {
+                "name", "weight", "params"}:
+            raise ConfigError("expected a table with name, and optionally weight and params", file=file, field=where)
+        weight, params = item.get("weight", 1.0), item.get("params", {})
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise ConfigError(f"expected a number, got {weight!r}", file=file, field=f"{where}.weight")
+        if not isinstance(params, dict):
+            raise ConfigError(f"expected a table, got {params!r}", file=file, field=f"{where}.params")
+        if item["name"] == "combine":
+            raise ConfigError("combine cannot contain itself", file=file, field=f"{where}.name")
+        try:
+            runner = RewardRunner.from_spec(RewardSpec(name=item["name"], params=params), file=None)
+        except MilehpcError as err:
+            # The component's own field (reward.name, reward.params.x) re-rooted under this entry.
+            inner = err.field.replace("reward.", f"{where}.", 1) if err.field else where
+            raise type(err)(err.message, file=file, field=inner) from None
+        key = item["name"] if all(item["name"] != k for k, _, _ in out) else f"{item['name']}_{i}"
+        out.append((key, float(weight), runner))
+    if not out:
+        raise ConfigError("expected at least one reward", file=file, field="reward.params.rewards")
+    return out
+
+
+async def combine(samples: Sequence[Sample], *, rewards: list[Any]) -> list[Any]:
+    """A batch reward: ``sum(weight * score)`` of other rewards (each a table ``{name, weight = 1, params = {}}``),
+    e.g. a format bonus plus a correctness score. The result is a dict with the total as ``score`` and each
+    component's score under its name; a sample that any component fails on fails."""
+    parts = _components(rewards)
+    results = [await runner.compute(samples) for _, _, runner in parts]
+    out: list[Any] = []
+    for i in range(len(samples)):
+        values = {name: res[i] for (name, _, _), res in zip(parts, results, strict=True)}
+        error = next((v for v in values.values() if isinstance(v, BaseException)), None)
+        if error is not None:
+            out.append(error)
+            continue
+        scalars = {name: v["score"] if isinstance(v, dict) else v for name, v in values.items()}
+        total = sum(w * scalars[name] for name, w, _ in parts)
+        out.append({"score": total, **scalars})
+    return out
+
+
+def _validate_combine(params: dict[str, Any], file: str | None = None) -> None:
+    _components(params.get("rewards", []), file)
+
+
+combine.validate_params = _validate_combine  # type: ignore[attr-defined]

@@ -12,7 +12,14 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from milehpc.rewards.extract import cut_at, extract_answer, math_equal, normalize_math, normalize_text
+from milehpc.rewards.extract import (
+    cut_at,
+    extract_answer,
+    math_equal,
+    normalize_math,
+    normalize_text,
+    parse_number,
+)
 from milehpc.rollout.sample import Sample
 
 
@@ -79,13 +86,20 @@ def majority_vote(samples: Sequence[Sample], *, extract: str = "auto", math: boo
     """A group reward without labels (test-time RL): 1.0 for the samples whose answer agrees with the group's
     most common answer (ties: the one seen first), 0.0 otherwise and for samples without an answer. The
     majority's share of the group is reported as ``agreement``."""
-    answers = [extract_answer(s.response_text, extract) for s in samples]
-    keys = [None if a is None else (normalize_math(a) if math else a.strip()) for a in answers]
+    keys = [_vote_key(extract_answer(s.response_text, extract), math) for s in samples]
     counts = Counter(k for k in keys if k is not None)
     if not counts:
         return [{"score": 0.0, "agreement": 0.0} for _ in samples]
     top = max(counts.values())
     winner = next(k for k in keys if k is not None and counts[k] == top)
-    agreement = top / len(samples)
-    return [{"score": float(k is not None and (k == winner or (math and math_equal(k, winner)))),
-             "agreement": agreement} for k in keys]
+    return [{"score": float(k == winner), "agreement": top / len(samples)} for k in keys]
+
+
+def _vote_key(answer: str | None, math: bool) -> tuple[str, Any] | None:
+    """Answers that are the same number (``2``, ``2.0``, ``\\frac{4}{2}``) vote together."""
+    if answer is None:
+        return None
+    if not math:
+        return ("text", answer.strip())
+    number = parse_number(answer)
+    return ("number", float(number)) if number is not None else ("text", normalize_math(answer))

@@ -51,6 +51,8 @@ class Batch:
     returns: torch.Tensor | None = None
     # Per-token rewards (process rewards); None = the scalar reward sits on the last response token.
     token_rewards: torch.Tensor | None = None
+    # [B] bool: FAILED samples (engine or reward); they train on nothing and join no group statistics.
+    failed: torch.Tensor | None = None
     samples: list[Sample] | None = field(default=None, repr=False)
 
     @property
@@ -182,7 +184,8 @@ def to_batch(samples: Sequence[Sample], pad_id: int, *, prompt_width: int | None
         group_ids=torch.tensor([s.group for s in samples], dtype=torch.long),
         prompt_lengths=torch.tensor(p_lens, dtype=torch.long),
         response_lengths=torch.tensor(r_lens, dtype=torch.long),
-        prompt_width=p_width, pad_id=pad_id, samples=list(samples),
+        prompt_width=p_width, pad_id=pad_id,
+        failed=torch.tensor([s.status is Status.FAILED for s in samples], dtype=torch.bool), samples=list(samples),
     )
 
 

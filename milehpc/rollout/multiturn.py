@@ -30,7 +30,7 @@ def retry_generator(engine: Any, prompts: list[Any], sampling: SamplingParams, *
         retry = []
         for s in samples:
             got = tok.decode(answers[id(s)])
-            if turns[id(s)] == turn - 1 and match_score(got, label[id(s)]) < 1.0 and s.status.value == "completed":
+            if turns[id(s)] == turn - 1 and match_score(got, label[id(s)]) < 1.0 and s.status.value != "failed":
                 right = sum(a == b for a, b in zip(got, label[id(s)], strict=False))
                 feedback = tok.encode(f"?{min(right, 9)}=")
                 s.response_ids += feedback

@@ -112,8 +112,9 @@ class SGLangEngine:
 
     def __init__(self, job: Any, server_args: dict[str, Any], opts: sm.SGLangOptions, *, engine: int = 0,
                  engine_rank: int = 0, eos_id: int | None = None, moe_shape: tuple[int, int] | None = None,
-                 colocated: bool = False, version: int = 0) -> None:
+                 colocated: bool = False, version: int = 0, engine_factory: Any = None) -> None:
         self.job = job
+        self._factory = engine_factory  # None = sglang.Engine (tests pass a stand-in: no GPU here)
         self.server_args = dict(server_args)
         self.opts = opts
         self.engine_index = engine
@@ -135,8 +136,11 @@ class SGLangEngine:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def _start(self) -> None:
-        import sglang  # the plugin registry checked it is installed
+        factory = self._factory
+        if factory is None:
+            import sglang  # the plugin registry checked it is installed
 
+            factory = sglang.Engine
         if self.server_args.get("nnodes", 1) > 1:
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
         before = _children()
@@ -144,7 +148,7 @@ class SGLangEngine:
         # ``custom_sigquit_handler`` (a ServerArgs field) lets us mark the engine dead and restart it instead.
         args = {**self.server_args, "custom_sigquit_handler": self._on_sigquit}
         try:
-            self._engine = sglang.Engine(**args)
+            self._engine = factory(**args)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"SGLang refused the engine arguments: {err}", field="rollout.options") from err
         self._pids = _children() - before
@@ -259,6 +263,10 @@ class SGLangEngine:
                   "rank_offset": sm.rank_offset(self.engine_index, self.server_args.get("tp_size", 1)),
                   "world_size": int(world_size), "group_name": sm.group_name(stage), "backend": backend}
         with self._lock:
+            if kwargs["group_name"] in self.update_groups:  # rebuilt after another engine restarted
+                self._call("destroy_weights_update_group", self._engine.destroy_weights_update_group,
+                           group_name=kwargs["group_name"])
+                del self.update_groups[kwargs["group_name"]]
             result = self._call("init_weights_update_group", self._engine.init_weights_update_group, **kwargs)
         _check_result("init_weights_update_group", result)
         self.update_groups[kwargs["group_name"]] = kwargs
@@ -341,11 +349,16 @@ def engine_layout(ctx: Any) -> sm.EngineLayout:
     port = ENGINE_PORT_BASE + (engine % 64) * 16
     addr = None
     if plan.gpus_per_engine > 1:
-        from milehpc.rollout.sglang_sync import bcast_from_leader, free_port, host_address
+        from milehpc.rollout.sglang_sync import free_port
+        from milehpc.runtime.comm import resolve_address
 
-        mine = f"{host_address()}:{free_port()}" if engine_rank == 0 else None
-        addr = bcast_from_leader(ctx.comms.engine, mine, timeout=ctx.job.resources.collective_timeout_s,
-                                 what=f"engine {engine}'s SGLang rendezvous address")
+        leader = plan.engine_leaders()[engine]
+        members = list(range(leader, leader + plan.gpus_per_engine))
+        mine = None
+        if engine_rank == 0:
+            host = resolve_address("127.0.0.1" if plan.nodes == 1 else "hostname")
+            mine = f"{host}:{free_port()}"
+        addr = ctx.comms.bcast(mine, leader, members, what=f"engine {engine}'s SGLang rendezvous address")
     return sm.EngineLayout(engine=engine, engine_rank=engine_rank, gpus_per_engine=plan.gpus_per_engine,
                            dist_init_addr=addr, port=port)
 
@@ -374,9 +387,8 @@ def from_context(ctx: Any) -> SGLangEngine:
         from sglang.srt.server_args import ServerArgs
 
         sm.check_server_args_known(opts.server_args, (f.name for f in dataclasses.fields(ServerArgs)))
-    if opts.speculative is not None and opts.speculative.draft_model_path and not Path(
-            opts.speculative.draft_model_path).is_dir():
-        raise ConfigError(f"expected a local folder, got {opts.speculative.draft_model_path!r}",
+    if opts.spec is not None and opts.spec.draft_model_path and not Path(opts.spec.draft_model_path).is_dir():
+        raise ConfigError(f"expected a local folder, got {opts.spec.draft_model_path!r}",
                           field="rollout.options.speculative.draft_model_path")
     moe = (job.model.num_layers, job.model.moe_top_k) if job.model.num_experts else None
     return SGLangEngine(job, args, opts, engine=layout.engine, engine_rank=layout.engine_rank,

@@ -82,16 +82,16 @@ class SpeculativeOptions:
             # NEXTN drafts with the model's own MTP layers; the others need a draft checkpoint.
             raise ConfigError(f"missing (speculative algorithm {self.algorithm} needs a draft model folder)",
                               file=file, field=f"{prefix}.draft_model_path")
-        most = self.num_steps * self.eagle_topk + 1
-        if self.num_draft_tokens > most:
-            raise ConfigError(
-                f"expected at most num_steps * eagle_topk + 1 = {most} draft tokens, got {self.num_draft_tokens}",
-                file=file, field=f"{prefix}.num_draft_tokens")
         if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
             # SGLang silently rewrites it to num_steps + 1 for a chain; say so instead of running something else.
             raise ConfigError(
                 f"with eagle_topk = 1 the draft is a chain: expected num_draft_tokens = num_steps + 1 = "
                 f"{self.num_steps + 1}, got {self.num_draft_tokens}", file=file, field=f"{prefix}.num_draft_tokens")
+        most = self.num_steps * self.eagle_topk + 1
+        if self.num_draft_tokens > most:
+            raise ConfigError(
+                f"expected at most num_steps * eagle_topk + 1 = {most} draft tokens, got {self.num_draft_tokens}",
+                file=file, field=f"{prefix}.num_draft_tokens")
 
     def server_args(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -109,7 +109,7 @@ class SpeculativeOptions:
 class SGLangOptions:
     """``[rollout.options]`` when ``rollout.engine = "sglang"``."""
 
-    speculative: SpeculativeOptions | None = opt(None, help="speculative decoding (EAGLE draft model)")
+    speculative: dict[str, Any] = opt({}, help="speculative decoding (EAGLE draft model); empty = off")
     server_args: dict[str, Any] = opt({}, help="extra SGLang ServerArgs (checked against ServerArgs at start)")
     mem_fraction_static: float | None = opt(None, min=0.05, max=0.95,
                                             help="GPU share for weights+KV cache; unset = 0.5 colocated, else SGLang's")
@@ -118,6 +118,8 @@ class SGLangOptions:
     check_weights_truncate: int = opt(100, min=1, help="elements per tensor read back by named_parameters()")
     health_timeout_s: float = opt(60.0, min=1.0)
     max_restarts: int = opt(3, min=0, help="in-place restarts of a dead engine before the job fails")
+    # Built from ``speculative`` by parse_options (a table of its own, validated with its own field names).
+    spec: SpeculativeOptions | None = field(default=None, init=False)
 
 
 # Server args milehpc derives from the job spec; setting them in rollout.options.server_args would fork the truth.
@@ -137,6 +139,8 @@ RESERVED_SERVER_ARGS = {
 def parse_options(options: dict[str, Any], *, file: str | None = None) -> SGLangOptions:
     """Validate ``rollout.options`` for the sglang engine (one-line ConfigError naming the field)."""
     opts = build(SGLangOptions, options, file=file, prefix="rollout.options")
+    if opts.speculative:
+        opts.spec = build(SpeculativeOptions, opts.speculative, file=file, prefix="rollout.options.speculative")
     for key in opts.server_args:
         if key in RESERVED_SERVER_ARGS:
             raise ConfigError(f"set by milehpc from {RESERVED_SERVER_ARGS[key]}; change that instead",
@@ -195,8 +199,8 @@ def server_args(job: JobSpec, opts: SGLangOptions, precision: Precision, layout:
         args["mem_fraction_static"] = mem
     if routed:
         args["enable_return_routed_experts"] = True
-    if opts.speculative is not None:
-        args.update(opts.speculative.server_args())
+    if opts.spec is not None:
+        args.update(opts.spec.server_args())
     args.update(opts.server_args)
     return args
 

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from milehpc.errors import ConfigError, MilehpcError, RuntimeFailure
 from milehpc.runtime.hygiene import make_private_dir, storage_errors
+from milehpc.runtime.signals import RequestWatcher, RequeueExit, restart_count
 
 if TYPE_CHECKING:
     from milehpc.config.job import CheckpointSpec, JobSpec
@@ -126,12 +127,34 @@ class MPICollective:
         return [int(v) for v in recv]
 
 
-def collective_for(comms: Any, timeout_s: float) -> Collective:
-    """The collective over the whole MPI world of a job's Comms (or a single process without MPI)."""
-    world = getattr(comms, "world", None)
-    if world is None or world.Get_size() == 1:
+class CommsCollective:
+    """The runtime's timed helpers (``milehpc.runtime.comm.Comms``): they end early when the watchdog saw a
+    rank die and name the ranks that did not answer."""
+
+    def __init__(self, comms: Any, timeout_s: float | None = None) -> None:
+        self.comms = comms
+        self.rank = comms.rank
+        self.size = comms.size
+        self.timeout_s = timeout_s
+
+    def barrier(self, what: str) -> None:
+        self.comms.barrier(what=what, timeout=self.timeout_s)
+
+    def allreduce_max(self, values: list[int], what: str) -> list[int]:
+        rows = self.comms.allgather(list(values), what=what, timeout=self.timeout_s)
+        return [max(col) for col in zip(*rows, strict=True)]
+
+
+def collective_for(comms: Any, timeout_s: float | None = None) -> Collective:
+    """The collective over every rank of a job: its Comms' timed helpers, a bare mpi4py communicator, or a
+    single process."""
+    if comms is None or getattr(comms, "size", 1) == 1 and not hasattr(comms, "Get_size"):
         return Solo()
-    return MPICollective(world, timeout_s)
+    if hasattr(comms, "allgather") and hasattr(comms, "plan"):
+        return CommsCollective(comms, timeout_s)
+    if comms.Get_size() == 1:
+        return Solo()
+    return MPICollective(comms, timeout_s or 600.0)
 
 
 # ---- files -----------------------------------------------------------------------------------------------
@@ -225,16 +248,20 @@ _SCALARS = ("group", "index", "weight_version")
 _JSON_FIELDS = ("reward", "label", "prompt_text", "response_text", "metadata", "routed_experts")
 
 
-def write_samples_h5(path: Path, buffers: dict[str, list[Sample]]) -> None:
+def write_samples_h5(path: Path, buffers: dict[str, list[Sample] | list[list[Sample]]]) -> None:
     """Write named sample buffers (e.g. ``pending``, ``partial``, ``async_buffer``) to one HDF5 file, one group
-    per buffer, losslessly; fsynced."""
+    per buffer, losslessly; fsynced. A buffer is a list of samples or a list of groups (lists of samples)."""
     import h5py
     import numpy as np
 
     strings = h5py.string_dtype()
     with h5py.File(path, "w") as f:
-        for name, samples in buffers.items():
+        for name, buffer in buffers.items():
             g = f.create_group(name)
+            nested = bool(buffer) and isinstance(buffer[0], list)
+            samples = [s for grp in buffer for s in grp] if nested else list(buffer)
+            if nested:
+                g.create_dataset("group_sizes", data=np.asarray([len(grp) for grp in buffer], dtype=np.int64))
             g.attrs["count"] = len(samples)
             for key, dtype in _RAGGED.items():
                 rows = [getattr(s, key) for s in samples]
@@ -246,14 +273,15 @@ def write_samples_h5(path: Path, buffers: dict[str, list[Sample]]) -> None:
             try:
                 extra = [json.dumps({k: getattr(s, k) for k in _JSON_FIELDS}) for s in samples]
             except TypeError as err:
-                raise RuntimeFailure(f"buffer {name!r}: a sample's label/metadata is not JSON-serialisable ({err})")
+                raise RuntimeFailure(f"buffer {name!r}: a sample's label/metadata is not JSON-serialisable ({err})") from None
             g.create_dataset("extra", data=extra, dtype=strings)
     fsync_path(path)
 
 
-def read_samples_h5(path: Path) -> dict[str, list[Sample]]:
+def read_samples_h5(path: Path) -> dict[str, list[Sample] | list[list[Sample]]]:
     """Inverse of :func:`write_samples_h5`."""
     import h5py
+    import numpy as np
 
     from milehpc.rollout.sample import Sample, Status
 
@@ -268,11 +296,16 @@ def read_samples_h5(path: Path) -> dict[str, list[Sample]]:
             scalars = {key: g[key][()].tolist() for key in _SCALARS}
             status = [x.decode() if isinstance(x, bytes) else x for x in g["status"][()]]
             extra = [json.loads(x) for x in g["extra"][()]]
-            out[name] = [
+            flat = [
                 Sample(**{k: ragged[k][i] for k in _RAGGED}, **{k: scalars[k][i] for k in _SCALARS},
                        status=Status(status[i]), **extra[i])
                 for i in range(n)
             ]
+            if "group_sizes" in g:
+                bounds = np.cumsum([0, *g["group_sizes"][()].tolist()]).tolist()
+                out[name] = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            else:
+                out[name] = flat
     return out
 
 
@@ -438,12 +471,22 @@ class Checkpointer:
     def at_step_end(self, step: int, *, requested: bool = False, last: bool = False) -> Decision:
         """Agree across ranks whether to checkpoint (and stop) after ``step`` (1-based count of finished
         steps). ``requested``: this rank saw a requeue request (usually only rank 0 polls for it)."""
-        interval = bool(self.interval_steps) and step % self.interval_steps == 0
-        timed = (self.coll.rank == 0 and self.interval_s > 0
-                 and self.clock() - self.last_save >= self.interval_s)
-        flags = self.coll.allreduce_max([int(interval), int(timed), int(requested), int(last)],
+        flags = self.coll.allreduce_max(self._flags(step, requested, last),
                                         f"step {step}: agreeing on checkpoint/requeue")
-        names = ("every %d steps" % self.interval_steps, "every %g s" % self.interval_s, "requeue requested",
+        return self._decision(flags)
+
+    def decide(self, step: int, *, requested: bool = False, last: bool = False) -> Decision:
+        """This rank's decision alone (for a caller that distributes it itself)."""
+        return self._decision(self._flags(step, requested, last))
+
+    def _flags(self, step: int, requested: bool, last: bool) -> list[int]:
+        interval = bool(self.interval_steps) and step % self.interval_steps == 0
+        # Only rank 0's clock counts: the ranks' clocks would disagree near the deadline.
+        timed = self.coll.rank == 0 and self.interval_s > 0 and self.clock() - self.last_save >= self.interval_s
+        return [int(interval), int(timed), int(requested), int(last)]
+
+    def _decision(self, flags: list[int]) -> Decision:
+        names = (f"every {self.interval_steps} steps", f"every {self.interval_s:g} s", "requeue requested",
                  "end of run")
         reasons = [n for n, f in zip(names, flags, strict=True) if f]
         return Decision(save=any(flags), stop=bool(flags[2]) and not flags[3], reasons=reasons)
@@ -454,8 +497,6 @@ class Checkpointer:
         """Collective: write this rank's ``state`` (torch-serialisable: tensors, numbers, strings, lists,
         dicts) and ``samples`` buffers; rank 0's ``meta`` (weight version, metric step, data cursor...) goes
         into the manifest. Returns the final directory."""
-        import torch
-
         rank, coll = self.coll.rank, self.coll
         tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}"
         final = self.root / step_dir_name(step)
@@ -633,3 +674,142 @@ def resume_run_dir(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         out.update(checkpoint=str(newest.path), step=newest.step, meta=newest.meta)
     return out
 
+
+
+# ---- the RL loop's checkpointing -------------------------------------------------------------------------
+
+
+class LoopCheckpoint:
+    """Resume at the start and checkpoint at step boundaries for ``milehpc.runtime.loop``.
+
+    * Colocated and single-process runs: every rank is at the same boundary; one allreduce agrees on
+      interval / time / requeue-request / end-of-run checkpoints (:meth:`Checkpointer.at_step_end`).
+    * Separate trainer and rollout groups: the trainer ranks call :meth:`hook` after each step; rank 0 decides
+      and tells the trainer ranks (broadcast) and the rollout ranks (a ``("checkpoint", {...})`` weight notice,
+      taken between generations). A rollout rank may be ahead of the trainer (it generated batches the trainer
+      has not trained yet, still in flight): it keeps every batch it sent in an *outbox* until the trainer has
+      trained it (a weight notice of version v means batches < v were trained); the checkpoint holds the outbox
+      (HDF5), and a resumed rollout rank sends it again before generating anything new. After a resume the
+      trainer pushes its weights once (the engines are rebuilt from the seeded init).
+
+    What each rank writes: ``rank-N.pt`` = {"trainer": TrainerSide.state_dict(), "rollout": RolloutSide
+    .state_dict() without its samples, "outbox": [(batch, stats)]} and ``rank-N.h5`` = the partial rollouts
+    (``carry``), the over-sampled groups (``ready``) and each outbox batch (``outbox_B``).
+    """
+
+    def __init__(self, job: JobSpec, run_dir: str | os.PathLike[str], *, comms: Any = None,
+                 plan: Plan | None = None) -> None:
+        self.job = job
+        self.run_dir = Path(run_dir)
+        self.comms = comms
+        self.plan = plan
+        self.rank = comms.rank if comms is not None else 0
+        self.ck = Checkpointer.for_job(job, plan, run_dir,
+                                       coll=collective_for(comms, job.resources.collective_timeout_s))
+        self.watcher = RequestWatcher(run_dir, rank=self.rank)
+        self.separated = bool(plan is not None and not plan.colocated and comms is not None and comms.size > 1)
+        self._notices: list[Any] = []
+        self.resumed_step: int | None = None
+
+    @classmethod
+    def for_context(cls, ctx: Any) -> LoopCheckpoint:
+        return cls(ctx.job, ctx.run_dir, comms=ctx.comms, plan=ctx.plan)
+
+    # ---- resume ----------------------------------------------------------------------------------------
+    def restore(self, *, trainer: Any = None, rollout: Any = None) -> bool:
+        """Collective, at the start of every rank's loop: load the newest checkpoint into the sides.
+        Returns True when the run resumed."""
+        if rollout is not None:
+            rollout.outbox = []
+            rollout.checkpointing = self
+        if not self.job.checkpoint.resume:
+            return False
+        restored = self.ck.resume()
+        if restored is None:
+            return False
+        state, samples = restored.state, restored.samples
+        if trainer is not None:
+            trainer.load_state_dict(state["trainer"])
+        if rollout is not None:
+            rs = state["rollout"]
+            rs["loop"]["carry"] = [s.to_dict() for s in samples.get("carry", [])]
+            rs["loop"]["ready"] = [[s.to_dict() for s in g] for g in samples.get("ready", [])]
+            rollout.load_state_dict(rs)
+            rollout.outbox = [(b, samples[f"outbox_{b}"], stats) for b, stats in state.get("outbox", [])]
+        restored.apply_rng()
+        self.resumed_step = restored.info.step
+        if self.rank == 0:
+            print(f"milehpc: resumed from {restored.info.path} (step {restored.info.step}, restart "
+                  f"{restart_count()})", flush=True)
+        return True
+
+    # ---- the trainer ranks' (and colocated ranks') step boundary -----------------------------------------
+    def hook(self, side: Any, step: int, rollout: Any = None) -> None:
+        """After step ``step`` (0-based) was trained: checkpoint if due, and stop if a requeue was asked."""
+        done = step + 1
+        last = done >= self.job.run.steps
+        requested = self.watcher.requested()
+        if self.separated:
+            decision = self._decide_for_groups(done, requested, last)
+        else:
+            decision = self.ck.at_step_end(done, requested=requested, last=last)
+        if decision.save:
+            self._save(done, side, rollout, decision.stop)
+
+    def _decide_for_groups(self, done: int, requested: bool, last: bool) -> Decision:
+        comms, plan = self.comms, self.plan
+        trainers = list(plan.trainer_group())
+        decision = self.ck.decide(done, requested=requested, last=last) if self.rank == 0 else None
+        if len(trainers) > 1:
+            decision = comms.bcast(decision, 0, trainers, what=f"step {done}: checkpoint decision")
+        if decision.save and self.rank == 0:
+            from milehpc.runtime.loop import TAG_NOTICE
+
+            self._notices = [r for r in self._notices if not r.Test()]
+            for r in plan.rollout_group():
+                self._notices.append(comms.ctrl.isend(("checkpoint", {"step": done, "stop": decision.stop}),
+                                                      r, TAG_NOTICE))
+        return decision
+
+    # ---- the rollout ranks' side (separate groups) -----------------------------------------------------
+    def sent(self, rollout: Any, batch: int, groups: list[Any], stats: dict[str, float]) -> None:
+        """A batch went to the trainer: keep it until it is trained."""
+        rollout.outbox.append((batch, groups, stats))
+
+    def trained(self, rollout: Any, version: int) -> None:
+        """Weights of ``version`` arrived: the trainer has trained every batch before ``version``."""
+        rollout.outbox = [o for o in rollout.outbox if o[0] >= version]
+
+    def on_notice(self, rollout: Any, info: dict[str, Any]) -> None:
+        """A checkpoint notice from trainer rank 0."""
+        self.trained(rollout, int(info["step"]))
+        self._save(int(info["step"]), None, rollout, bool(info["stop"]))
+
+    # ---- writing ---------------------------------------------------------------------------------------
+    def _save(self, done: int, trainer: Any, rollout: Any, stop: bool) -> None:
+        from milehpc.rollout.sample import Sample
+
+        state: dict[str, Any] = {}
+        samples: dict[str, Any] = {}
+        meta: dict[str, Any] = {"restart_count": restart_count(), "steps_done": done}
+        if trainer is not None:
+            state["trainer"] = trainer.state_dict()
+            meta.update(weight_version=trainer.state.weight_version, metric_step=trainer.state.step)
+        if rollout is not None:
+            rs = rollout.state_dict()
+            loop = rs["loop"]
+            samples["carry"] = [Sample.from_dict(d) for d in loop.pop("carry")]
+            samples["ready"] = [[Sample.from_dict(d) for d in g] for g in loop.pop("ready")]
+            outbox = getattr(rollout, "outbox", [])
+            state["rollout"] = rs
+            state["outbox"] = [(b, stats) for b, _, stats in outbox]
+            for b, groups, _ in outbox:
+                samples[f"outbox_{b}"] = groups
+            meta.setdefault("data", loop.get("data"))
+        path = self.ck.save(done, state, samples=samples, meta=meta)
+        if stop:
+            self.watcher.acknowledge(done, path)
+            if self.rank == 0:
+                print(f"milehpc: checkpointed after step {done} in {path}; exiting with 75 to be requeued",
+                      flush=True)
+            raise RequeueExit(f"checkpointed after step {done} for a requeue")

@@ -17,6 +17,7 @@ probes polled against a deadline: every wait has a timeout and knows, per peer, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -108,6 +109,7 @@ class WeightSyncGroup:
     store: Any
     comms: Comms
     version: int = -1  # the last weight version sent (source) or received (rollout)
+    buffers: list[Any] = field(default_factory=list)  # two reused byte buffers (weights.py double-buffers)
 
     @property
     def group_rank(self) -> int:
@@ -285,10 +287,8 @@ class Comms:
         import torch.distributed as dist
 
         for group in self.sync_groups.values():
-            try:
+            with contextlib.suppress(Exception):  # backends without shutdown
                 group.pg.shutdown()
-            except Exception:  # noqa: BLE001 - older torch / backends without shutdown
-                pass
         self.sync_groups.clear()
         if dist.is_initialized():
             dist.destroy_process_group()

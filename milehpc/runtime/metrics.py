@@ -14,6 +14,17 @@ PROGRESS = (("rollout/reward_mean", "reward", "{:.3f}"), ("train/kl", "kl", "{:.
             ("perf/tokens_per_s", "tok/s", "{:.0f}"), ("time/step", "step s", "{:.2f}"))
 
 
+def rich_progress(stream: TextIO) -> bool:
+    """A live bar only on a real terminal. Under mpirun a rank's stdout is a pty even when the user's is a file,
+    so ``milehpc run`` decides for its ranks through ``MILEHPC_PROGRESS`` (rich | plain)."""
+    import os
+
+    mode = os.environ.get("MILEHPC_PROGRESS")
+    if mode:
+        return mode == "rich"
+    return stream.isatty() and "OMPI_COMM_WORLD_SIZE" not in os.environ and "SLURM_PROCID" not in os.environ
+
+
 class MetricsLogger:
     """Rank 0 of the trainer group owns one of these."""
 
@@ -32,11 +43,12 @@ class MetricsLogger:
         self.start = time.time()
         self.first_step: int | None = None
         self.bar = self.task = None
-        if progress and self.stream.isatty():
+        if progress and rich_progress(self.stream):
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False,
+                                auto_refresh=False)
             self.task = self.bar.add_task("rl", total=total_steps, info="", completed=0)
             self.bar.start()
         self.quiet = not progress
@@ -53,7 +65,7 @@ class MetricsLogger:
                 self.writer.add_scalar(key, float(value), step)
         info = "  ".join(f"{label} {fmt.format(metrics[k])}" for k, label, fmt in PROGRESS if k in metrics)
         if self.bar is not None:
-            self.bar.update(self.task, completed=step + 1, info=info)
+            self.bar.update(self.task, completed=step + 1, info=info, refresh=True)
         elif not self.quiet:
             done = step + 1 - self.first_step
             elapsed = time.time() - self.start

@@ -46,6 +46,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from milehpc.errors import MilehpcError
+
 CONTROL_DIR = ".milehpc"
 REQUEST_FILE = f"{CONTROL_DIR}/checkpoint-request"
 DONE_FILE = f"{CONTROL_DIR}/checkpointed"
@@ -120,3 +122,9 @@ def forward_signals(run_dir: str | os.PathLike[str],
         request_checkpoint(run_dir, f"signal {signal.Signals(signum).name}")
 
     return {s: signal.signal(s, handler) for s in signums}
+
+
+class RequeueExit(MilehpcError):
+    """Raised on every rank after the requeue checkpoint is committed; the process exits with 75."""
+
+    exit_code = EXIT_REQUEUE

@@ -9,6 +9,7 @@ never hangs on a dead peer. Notices also carry failures the main thread found (a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -84,10 +85,8 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval + 1)
         if self.size > 1 and self.failure is None:
-            try:
+            with contextlib.suppress(Exception):  # a dead successor cannot be told
                 self._sent.append(self.comm.isend(None, (self.rank + 1) % self.size, TAG_BYE))
-            except Exception:  # noqa: BLE001 - a dead successor cannot be told
-                pass
 
     def declare(self, message: str, ranks: set[int] | frozenset[int] = frozenset(), *, notify: bool = True,
                 detected: bool = True) -> bool:
@@ -102,10 +101,8 @@ class Watchdog:
             for dest in range(self.size):
                 if dest == self.rank or dest in self.failed_ranks:
                     continue
-                try:
+                with contextlib.suppress(Exception):  # best effort: that rank may be gone as well
                     self._sent.append(self.comm.isend(message, dest, TAG_NOTICE))  # keep the buffer alive
-                except Exception:  # noqa: BLE001 - best effort: that rank may be gone as well
-                    pass
         return True
 
     # ---- the thread -------------------------------------------------------

@@ -24,13 +24,20 @@ def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir
             raise ConfigError("not a milehpc run directory (no job.json)", file=str(rdir), field="--resume")
         job = job_from_dict(json.loads(spec.read_text()), file=str(spec))
         run_dir = str(rdir)
+    if sweep:
+        if resume:
+            raise ConfigError("a sweep starts new runs; resume each run directory on its own", field="--sweep")
+        from milehpc.scheduler.sweep import submit_sweep
+
+        return submit_sweep(job_file, site, overrides, sweep, run_dir=run_dir, dry_run=dry_run, after=after)
     prep = prepare(job_file, site, overrides, run_dir=run_dir, job=job)
     result: dict[str, Any] = {"site": prep.site.name, "run_dir": str(prep.run_dir), "plan": prep.plan.summary()}
+    extra = dependency_args(after, prep.partition.scheduler)
+    if extra:
+        result["sbatch_args"] = extra
     if dry_run:
         result["script"] = prep.script
         return result
-    if sweep or after:
-        raise ConfigError("--sweep and --after need the Slurm lifecycle support", field="--sweep")
     check_paths(prep.job, job_file)
     rdir = write_run_dir(prep, resume=bool(resume))
     script = rdir / "job.sbatch"
@@ -41,7 +48,23 @@ def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir
     else:
         from milehpc.scheduler.slurm import sbatch
 
-        job_id = sbatch(script)
-    add_record(job_id, prep.job.name, prep.site.name, str(rdir))
+        job_id = sbatch(script, extra=extra)
+    add_record(job_id, prep.job.name, prep.site.name, str(rdir), **({"after": after} if after else {}))
     result["job_id"] = job_id
     return result
+
+
+def dependency_args(after: str | None, scheduler: str) -> list[str]:
+    """``--after JOBID[,JOBID...]`` as sbatch's ``--dependency=afterany:...`` (start once they ended, however)."""
+    if not after:
+        return []
+    if scheduler != "slurm":
+        raise ConfigError("--after needs a Slurm site (this site runs without a scheduler)", field="--after")
+    from milehpc.scheduler.slurm import JOB_ID
+
+    ids = [j.strip() for j in after.split(",")]
+    bad = [j for j in ids if not JOB_ID.fullmatch(j)]
+    if bad:
+        raise ConfigError(f"expected Slurm job ids like 1234 or 1234_5, comma-separated, got {bad[0]!r}",
+                          field="--after")
+    return ["--dependency=afterany:" + ":".join(ids)]

@@ -73,7 +73,7 @@ class TorchTrainer:
         from milehpc.train.model import build_model
 
         self.job, self.tokenizer = job, tokenizer
-        self.options = {"fsdp": False, "critic_lr": 1e-4, **(options or {})}
+        self.options = {"fsdp": False, "critic_lr": 1e-4, "teacher_path": "", **(options or {})}
         self.device = torch.device(device)
         self.rank, self.dp_size = _dist()
         self.pad_id = int(tokenizer.pad_id)
@@ -99,6 +99,17 @@ class TorchTrainer:
                                              eos_id=tokenizer.eos_id, value_head=True).to(self.device)
             self.critic = self._wrap(self.critic_module)
             self.critic_opt = self._adamw(self.critic.parameters(), float(self.options["critic_lr"]))
+        self.teacher: Any = None
+        if getattr(algorithm, "needs_teacher", False):
+            from milehpc.errors import ConfigError
+
+            if not self.options["teacher_path"]:
+                raise ConfigError("on-policy distillation needs a teacher: set trainer.options.teacher_path to a "
+                                  "local HF checkpoint folder", field="trainer.options.teacher_path")
+            from dataclasses import replace
+
+            self.teacher = build_model(replace(spec, path=self.options["teacher_path"]), tokenizer.vocab_size)
+            self.teacher = self.teacher.to(self.device).eval().requires_grad_(False)
         self.version = 0  # weight version: number of optimizer steps taken since RL began
         self.steps = 0
 
@@ -174,7 +185,6 @@ class TorchTrainer:
     # ---- SFT warm-up ---------------------------------------------------------
     def sft_step(self, samples: list[Sample], optimizer: Any) -> dict[str, float]:
         """One supervised step (token-mean NLL over the response, global over DP) on labelled samples."""
-        import torch
 
         batch = self._batch(samples)
         tokens = _all_reduce([batch.num_tokens])[0]
@@ -220,6 +230,8 @@ class TorchTrainer:
         with torch.no_grad():
             if self.ref is not None:
                 batch.ref_logprobs = torch.cat([self.forward(self.ref, mb)[0] for mb in mbs])
+            if self.teacher is not None:
+                batch.teacher_logprobs = torch.cat([self.forward(self.teacher, mb)[0] for mb in mbs])
             if self.critic is not None:
                 batch.values = torch.cat([self.values(mb) for mb in mbs])
             # With one epoch the loss's own forward gives the old logprobs (ratio = 1 exactly, as nothing

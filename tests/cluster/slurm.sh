@@ -15,6 +15,7 @@
 #   MILEHPC_CLUSTER_SOCKETS / _CORES / _THREADS   sockets, cores per socket, threads per core [2/32/1]
 #   MILEHPC_CLUSTER_GPUS        fake GPUs per node (symlinks to /dev/null) [8]
 #   MILEHPC_CLUSTER_FEATURES    node features, comma-separated [gpu,nvme]
+#   MILEHPC_CLUSTER_CORE_SPEC   cores per node reserved for the system (CoreSpecCount, Frontier's -S 8) [0]
 #   MILEHPC_CLUSTER_ETC_LINK    1: link /etc/slurm/slurm.conf to this cluster's config when that path is free [1]
 #
 # The node declares more CPUs, memory and GPUs than the machine has (SlurmdParameters=config_overrides); no
@@ -31,6 +32,7 @@ CORES=${MILEHPC_CLUSTER_CORES:-32}
 THREADS=${MILEHPC_CLUSTER_THREADS:-1}
 GPUS=${MILEHPC_CLUSTER_GPUS:-8}
 FEATURES=${MILEHPC_CLUSTER_FEATURES:-gpu,nvme}
+CORE_SPEC=${MILEHPC_CLUSTER_CORE_SPEC:-0}
 ETC_LINK=${MILEHPC_CLUSTER_ETC_LINK:-1}
 PACKAGES=(slurm-wlm slurmctld slurmd slurm-client munge libpmix-dev openmpi-bin)
 
@@ -66,7 +68,8 @@ install_packages() {
 want_second() { [ -f "$DIR/etc/second-node" ]; }
 
 write_config() {  # writes slurm.conf + gres.conf into a temp dir, prints its path
-    local tmp=$1 cpus=$((SOCKETS * CORES * THREADS)) nodes="$NODE" p first=1 gres="" gpu_files=""
+    local tmp=$1 cpus=$((SOCKETS * CORES * THREADS)) nodes="$NODE" p first=1 gres="" gpu_files="" spec=""
+    if [ "$CORE_SPEC" -gt 0 ]; then spec="CoreSpecCount=$CORE_SPEC"; fi
     if [ "$GPUS" -gt 0 ]; then
         gres="Gres=gpu:$GPUS"
         gpu_files="$DIR/dev/nvidia[0-$((GPUS - 1))]"
@@ -110,13 +113,15 @@ MpiDefault=pmix
 MailProg=/bin/true
 ReturnToService=2
 KillWait=10
+# Jobs may change the core specialisation (Frontier users pass -S 0 or -S 8).
+AllowSpecResourcesUsage=YES
 # The node declares more CPUs, memory and GPUs than exist.
 SlurmdParameters=config_overrides
 PlugStackConfig=$DIR/etc/plugstack.conf
-NodeName=$NODE NodeAddr=127.0.0.1 Sockets=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS CPUs=$cpus RealMemory=1000000 ${gres} Features=$FEATURES State=UNKNOWN
+NodeName=$NODE NodeAddr=127.0.0.1 Sockets=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS CPUs=$cpus RealMemory=1000000 ${gres} ${spec} Features=$FEATURES State=UNKNOWN
 EOF
     if want_second; then
-        echo "NodeName=$NODE2 NodeHostname=$NODE NodeAddr=127.0.0.1 Port=$((PORT + 2)) Sockets=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS CPUs=$cpus RealMemory=1000000 ${gres} Features=$FEATURES State=UNKNOWN" >>"$tmp/slurm.conf"
+        echo "NodeName=$NODE2 NodeHostname=$NODE NodeAddr=127.0.0.1 Port=$((PORT + 2)) Sockets=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS CPUs=$cpus RealMemory=1000000 ${gres} ${spec} Features=$FEATURES State=UNKNOWN" >>"$tmp/slurm.conf"
     fi
     for p in ${PARTITIONS//,/ }; do
         echo "PartitionName=$p Nodes=$nodes Default=$([ $first -eq 1 ] && echo YES || echo NO) MaxTime=INFINITE State=UP OverSubscribe=YES" >>"$tmp/slurm.conf"

@@ -80,7 +80,7 @@ milehpc_rank() {
     for v in CUDA_VISIBLE_DEVICES FI_CXI_DEFAULT_CQ_SIZE FI_CXI_DEFAULT_TX_SIZE FI_CXI_DISABLE_HOST_REGISTER FI_CXI_RDZV_EAGER_SIZE FI_CXI_RDZV_GET_MIN FI_CXI_RDZV_PROTO FI_CXI_RDZV_THRESHOLD FI_CXI_RX_MATCH_MODE FI_MR_CACHE_MONITOR GPU_DEVICE_ORDINAL HSA_FORCE_FINE_GRAIN_PCIE MILEHPC_EXAMPLE MIOPEN_CUSTOM_CACHE_DIR MIOPEN_USER_DB_PATH NCCL_CROSS_NIC NCCL_NET NCCL_NET_GDR_LEVEL NCCL_SOCKET_IFNAME PYTHONUNBUFFERED ROCR_VISIBLE_DEVICES TRITON_CACHE_DIR; do
         if [ -n "${!v+x}" ]; then export "APPTAINERENV_$v=${!v}"; fi
     done
-    exec apptainer exec --cleanenv --rocm --rocm --bind /scratch/milehpc/runs/golden,/usr/share/libdrm,/var/spool/slurmd,/opt/cray /images/milehpc.sif python3 -m milehpc launch "$MILEHPC_RUN_DIR"
+    exec apptainer exec --cleanenv --rocm --bind /scratch/milehpc/runs/golden,/usr/share/libdrm,/var/spool/slurmd,/opt/cray /images/milehpc.sif python3 -m milehpc launch "$MILEHPC_RUN_DIR"
 }
 export -f milehpc_rank
 

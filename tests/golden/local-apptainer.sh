@@ -42,7 +42,6 @@ milehpc_rank() {
     exec apptainer exec --cleanenv --bind /scratch/milehpc/runs/golden /images/milehpc.sif python3 -m milehpc launch "$MILEHPC_RUN_DIR"
 }
 export -f milehpc_rank
-trap milehpc_request_checkpoint USR1 TERM INT
 # Open MPI refuses to start as root unless told (containers and CI run as root).
 if [ "$(id -u)" -eq 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

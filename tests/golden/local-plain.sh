@@ -27,7 +27,6 @@ milehpc_request_checkpoint() {
 }
 trap milehpc_request_checkpoint USR1 TERM
 rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
-trap milehpc_request_checkpoint USR1 TERM INT
 # Open MPI refuses to start as root unless told (containers and CI run as root).
 if [ "$(id -u)" -eq 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

@@ -63,7 +63,7 @@ milehpc_rank() {
     for v in CUDA_VISIBLE_DEVICES FI_CXI_DISABLE_HOST_REGISTER FI_MR_CACHE_MONITOR GPU_DEVICE_ORDINAL MILEHPC_EXAMPLE NCCL_CROSS_NIC NCCL_NET NCCL_NET_GDR_LEVEL NCCL_SOCKET_IFNAME PYTHONUNBUFFERED ROCR_VISIBLE_DEVICES; do
         if [ -n "${!v+x}" ]; then export "APPTAINERENV_$v=${!v}"; fi
     done
-    exec apptainer exec --cleanenv --nv --nv --bind /scratch/milehpc/runs/golden,/opt/cray,/var/spool/slurmd /images/milehpc.sif python3 -m milehpc launch "$MILEHPC_RUN_DIR"
+    exec apptainer exec --cleanenv --nv --bind /scratch/milehpc/runs/golden,/opt/cray,/var/spool/slurmd /images/milehpc.sif python3 -m milehpc launch "$MILEHPC_RUN_DIR"
 }
 export -f milehpc_rank
 

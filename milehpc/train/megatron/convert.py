@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +142,7 @@ def to_hf(named: Iterable[tuple[str, torch.Tensor]], arch: Arch, *, moe_layout: 
         if name in _TOP:
             if name == "output_layer.weight" and arch.tie_word_embeddings:
                 continue
-            yield _TOP[name], _trim_vocab(t, arch)
+            yield _TOP[name], t if name == "decoder.final_layernorm.weight" else _trim_vocab(t, arch)
             continue
         m = _LAYER.match(name)
         if not m:
@@ -265,3 +265,18 @@ def local_shard(full: dict[str, torch.Tensor], local_names: Iterable[str], *, tp
         (global_name, _), = rename_layers([(local, None)], layer_offset, expert_offset)  # type: ignore[list-item]
         out[local] = tp_split(local, full[global_name], tp)[tp_rank]
     return out
+
+
+def megatron_to_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], *, hf_config: Any = None,
+                   arch: Arch | None = None, moe_layout: str = "transformers", tp: int = 1,
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The "megatron-to-hf" weight converter plugin: full Megatron tensors (global layer indices; with ``tp`` > 1,
+    lists of TP shards are gathered first) -> HF names. Give the model as an HF config or an :class:`Arch`."""
+    from milehpc.train.megatron.model import arch_of
+
+    if arch is None:
+        if hf_config is None:
+            raise ValueError("megatron-to-hf needs the model: hf_config= or arch=")
+        arch = arch_of(hf_config)
+    named = ((n, tp_gather(n, list(t)) if isinstance(t, list | tuple) else t) for n, t in named_tensors)
+    yield from to_hf(named, arch, moe_layout=moe_layout)

@@ -164,8 +164,8 @@ def transformer_config(
             moe_router_load_balancing_type=str(opts.get("moe_load_balancing", "none")),
             moe_aux_loss_coeff=float(opts.get("moe_aux_loss_coeff", 0.0)),
             # alltoall needs CUDA streams; allgather runs on CPU (and is fine at small EP).
-            moe_token_dispatcher_type=str(opts.get("moe_dispatcher", "alltoall" if torch.cuda.is_available()
-                                                   else "allgather")),
+            moe_token_dispatcher_type=str(opts.get("moe_dispatcher") or ("alltoall" if torch.cuda.is_available()
+                                                                         else "allgather")),
             moe_grouped_gemm=False,
             moe_enable_routing_replay=routing_replay,
         )
@@ -180,7 +180,8 @@ def use_transformer_engine(trainer: TrainerSpec) -> bool:
 
     if not torch.cuda.is_available():
         return False
-    return bool(trainer.options.get("transformer_engine", trainer.precision in ("bf16", "fp8")))
+    asked = trainer.options.get("transformer_engine")
+    return bool(trainer.precision in ("bf16", "fp8") if asked is None else asked)
 
 
 def layer_spec(arch: Arch, *, te: bool) -> Any:

@@ -1,0 +1,258 @@
+"""Colocated mode: rollout engine and trainer share each GPU, taking turns with torch_memory_saver.
+
+The order is Miles' (radixark/miles ``train.py``, default ``colocate_memory_peak_device``)::
+
+    generate → offload rollout → train → offload train → onload rollout weights → update weights → onload KV cache
+
+* **rollout side** (SGLang, started with ``enable_memory_saver=True``): ``release_memory_occupation(tags=
+  ["cuda_graph", "kv_cache", "weights"])`` after generation, ``resume_memory_occupation(["weights"])`` before
+  the update and ``resume_memory_occupation(["kv_cache", "cuda_graph"])`` after it (tags from
+  sgl-project/sglang ``python/sglang/srt/constants.py``). The weights are released *without* a CPU copy: the update
+  overwrites them anyway.
+* **trainer side**: the trainer's parameters, gradients and optimizer state are allocated inside
+  ``torch_memory_saver.region("train", enable_cpu_backup=True)`` and paused/resumed by tag
+  (fzyzcjy/torch_memory_saver ``torch_memory_saver/entrypoint.py``: ``region(tag, enable_cpu_backup)``,
+  ``pause(tag)``, ``resume(tag)``; ``hook_mode = "torch"`` needs no LD_PRELOAD in this process, SGLang sets up its
+  own schedulers with ``configure_subprocess``).
+* **the update** reads the trainer's weights from a pinned CPU snapshot taken at the end of training (slime's
+  ``TensorBackuper`` idea), uploads them bucket by bucket *outside* any paused region and hands each bucket to the
+  engine (``update_weights_from_tensor``: CUDA IPC handles, no copy through NCCL), so the trainer can be paused
+  before the rollout weights come back (the peak never holds both models' optimizer-sized state).
+* **communicators**: NCCL communicators allocate their buffers outside PyTorch's allocator, so pausing a region
+  does not free them. :class:`ReloadableGroups` destroys the trainer's NCCL groups with the trainer's memory and
+  rebuilds them (same ranks, same order) when training resumes, as slime's ``reloadable_process_group`` does.
+
+:class:`ColocatedStep` runs the sequence against any object with the memory-saver interface; the real one is
+:func:`torch_memory_saver_backend`, the tests use a recording stand-in (no GPU here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from milehpc.errors import missing_dependency
+from milehpc.rollout.sglang_mapping import ONLOAD_AFTER_UPDATE, ONLOAD_BEFORE_UPDATE
+
+if TYPE_CHECKING:
+    import torch
+
+TRAIN_TAG = "train"
+
+
+class MemorySaver(Protocol):
+    """The part of ``torch_memory_saver.torch_memory_saver`` milehpc uses."""
+
+    def region(self, tag: str = ..., enable_cpu_backup: bool = ...) -> contextlib.AbstractContextManager[Any]: ...
+
+    def pause(self, tag: str | None = None) -> None: ...
+
+    def resume(self, tag: str | None = None) -> None: ...
+
+
+def torch_memory_saver_backend(hook_mode: str = "torch") -> MemorySaver:
+    """The real memory saver (GPU only); one clear line when the package is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch_memory_saver") is None:
+        raise missing_dependency("resources.colocate = true", "torch-memory-saver")
+    from torch_memory_saver import torch_memory_saver
+
+    with contextlib.suppress(AssertionError, AttributeError):  # already initialised: keep its mode
+        torch_memory_saver.hook_mode = hook_mode
+    return torch_memory_saver
+
+
+def gpu_used_bytes() -> int:
+    """Device memory in use (all processes) on the current GPU: what a release frees for the other side."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+class ReloadableGroups:
+    """Trainer process groups that are destroyed while the trainer is paused and rebuilt on resume.
+
+    ``factories`` maps a name to a zero-argument callable that (collectively, on every member) creates the group;
+    the current groups are in :attr:`groups`. Code that held an old group object must read it from here again.
+    """
+
+    def __init__(self, factories: dict[str, Callable[[], Any]] | None = None) -> None:
+        self.factories = dict(factories or {})
+        self.groups: dict[str, Any] = {}
+        self.restore()
+
+    def release(self) -> None:
+        import torch.distributed as dist
+
+        for name in list(self.groups):
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.groups.pop(name))
+
+    def restore(self) -> None:
+        for name, make in self.factories.items():
+            if name not in self.groups:
+                self.groups[name] = make()
+
+
+@dataclass
+class StepReport:
+    """What one colocated step measured."""
+
+    events: list[str] = field(default_factory=list)
+    times: dict[str, float] = field(default_factory=dict)
+    freed_rollout_bytes: int = 0
+    freed_train_bytes: int = 0
+    update_bytes: int = 0
+
+    @property
+    def update_gbps(self) -> float:
+        t = self.times.get("update_weights", 0.0)
+        return self.update_bytes / t / 1e9 if t > 0 else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/colocate_{k}": v for k, v in self.times.items()}
+        out.update({"colocate/freed_rollout_gb": self.freed_rollout_bytes / 1e9,
+                    "colocate/freed_train_gb": self.freed_train_bytes / 1e9,
+                    "colocate/update_gb": self.update_bytes / 1e9, "colocate/update_gbps": self.update_gbps})
+        return out
+
+
+class ColocatedStep:
+    """Drive one engine and one trainer sharing a GPU through a step in Miles' order.
+
+    ``engine`` implements :class:`milehpc.rollout.engine.Engine` (``release_memory``, ``resume_memory(tags)``,
+    ``update_weights``); ``trainer`` implements :class:`milehpc.train.base.Trainer` and must have been *built*
+    inside :meth:`train_region` so its parameters live in the pausable region.
+    """
+
+    def __init__(self, engine: Any, trainer: Any, saver: MemorySaver, *, device: Any = None,
+                 groups: ReloadableGroups | None = None, memory_probe: Callable[[], int] = gpu_used_bytes,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.engine, self.trainer, self.saver = engine, trainer, saver
+        self.device, self.groups = device, groups
+        self.memory_probe, self.clock = memory_probe, clock
+        self.train_paused = False
+        self._snapshot: dict[str, torch.Tensor] = {}
+        self.report = StepReport()
+
+    # ---- the pieces, each recorded ----------------------------------------------------------------
+    def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
+        self.report.events.append(name)
+        t0 = self.clock()
+        try:
+            return fn()
+        finally:
+            self.report.times[name] = self.report.times.get(name, 0.0) + self.clock() - t0
+
+    @contextlib.contextmanager
+    def train_region(self) -> Iterator[None]:
+        """Allocate trainer state (model, optimizer moments, grads) inside this (CPU backup on pause)."""
+        with self.saver.region(TRAIN_TAG, enable_cpu_backup=True):
+            yield
+
+    def generate(self, prompts: list[list[int]], sampling: Any, samples: Any = None) -> list[Any]:
+        return self._timed("generate", lambda: self.engine.generate(prompts, sampling, samples))
+
+    def offload_rollout(self) -> None:
+        before = self.memory_probe()
+        self._timed("offload_rollout", self.engine.release_memory)
+        self.report.freed_rollout_bytes = max(0, before - self.memory_probe())
+
+    def onload_train(self) -> None:
+        if self.train_paused:
+            self._timed("onload_train", lambda: self.saver.resume(TRAIN_TAG))
+            if self.groups is not None:
+                self.groups.restore()
+            self.train_paused = False
+
+    def train(self, samples: list[Any], step: int) -> dict[str, float]:
+        self.onload_train()
+
+        def run() -> dict[str, float]:
+            with self.train_region():  # optimizer state is created lazily at the first step: keep it pausable
+                metrics = self.trainer.train_step(samples, step)
+            self._take_snapshot()
+            return metrics
+
+        return self._timed("train", run)
+
+    def _take_snapshot(self) -> None:
+        """Pinned CPU copy of the trainer's (engine-named) weights, reused across steps."""
+        import torch
+
+        pin = torch.cuda.is_available()
+        for name, tensor in self.trainer.export_weights():
+            buf = self._snapshot.get(name)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                buf = self._snapshot[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                                                         pin_memory=pin)
+            buf.copy_(tensor, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+
+    def offload_train(self) -> None:
+        before = self.memory_probe()
+
+        def run() -> None:
+            if self.groups is not None:
+                self.groups.release()
+            self.saver.pause(TRAIN_TAG)
+
+        self._timed("offload_train", run)
+        self.train_paused = True
+        self.report.freed_train_bytes = max(0, before - self.memory_probe())
+
+    def onload_weights(self) -> None:
+        self._timed("onload_weights", lambda: self.engine.resume_memory(list(ONLOAD_BEFORE_UPDATE)))
+
+    def _upload(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The snapshot, one tensor at a time onto the device (fresh memory, outside any paused region)."""
+        for name, buf in self._snapshot.items():
+            self.report.update_bytes += buf.numel() * buf.element_size()
+            yield name, (buf.to(self.device, non_blocking=True) if self.device is not None else buf)
+
+    def update_weights(self, version: int) -> None:
+        self.report.update_bytes = 0
+
+        def run() -> None:
+            self.engine.update_weights(self._upload(), version)
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+        self._timed("update_weights", run)
+
+    def onload_kv(self) -> None:
+        self._timed("onload_kv", lambda: self.engine.resume_memory(list(ONLOAD_AFTER_UPDATE)))
+
+    # ---- the whole step ----------------------------------------------------------------------------
+    def step(self, prompts: list[list[int]], sampling: Any, step: int, *, version: int,
+             score: Callable[[list[Any]], None] | None = None) -> tuple[list[Any], dict[str, float]]:
+        """generate → offload rollout → train → offload train → onload weights → update weights → onload KV cache."""
+        self.report = StepReport()
+        samples = self.generate(prompts, sampling)
+        self.offload_rollout()
+        if score is not None:
+            score(samples)
+        metrics = dict(self.train(samples, step))
+        self.offload_train()
+        self.onload_weights()
+        self.update_weights(version)
+        self.onload_kv()
+        metrics.update(self.report.metrics())
+        return samples, metrics
+
+    def initial_sync(self, version: int = 0) -> None:
+        """Before the first generation (Miles: "always update weight first"): push the trainer's initial weights.
+        The engine was started with its weights resident, so: snapshot, offload train, update, done."""
+        self._take_snapshot()
+        self.offload_train()
+        self.update_weights(version)

@@ -1,0 +1,150 @@
+"""The entry point of every rank inside the job: ``milehpc launch RUN_DIR`` under srun or mpirun.
+
+Reads ``RUN_DIR/plan.json`` and ``RUN_DIR/job.json`` (written by ``milehpc submit``), checks that the MPI world is
+the one the plan was made for, brings up the communicators (``milehpc.runtime.comm.bootstrap``) and calls the
+entry (``milehpc.runtime.loop:run`` unless one is given as ``module:function``) with a ``RunContext``.
+
+On failure this function does not return: it reports (rank 0, and the rank that saw the failure first) and ends the
+process with the error's exit code via ``os._exit``, because MPI_Finalize would wait for a rank that is gone. The
+other ranks are told by the watchdog and end within its timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from milehpc.errors import ConfigError, MilehpcError
+
+if TYPE_CHECKING:
+    from milehpc.config.job import JobSpec
+    from milehpc.plan import Plan
+
+DEFAULT_ENTRY = "milehpc.runtime.loop:run"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("file not found (is this a run directory written by `milehpc submit`?)",
+                          file=str(path)) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read: {err}", file=str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("expected a JSON object", file=str(path))
+    return data
+
+
+def load_run_dir(run_dir: str | os.PathLike[str]) -> tuple[JobSpec, Plan, dict[str, Any]]:
+    """The job spec, the plan and the site partition (empty if there is no site.json) of a run directory."""
+    from milehpc.config.load import job_from_dict
+    from milehpc.plan import Plan
+
+    rdir = Path(run_dir)
+    job = job_from_dict(_read_json(rdir / "job.json"), file=str(rdir / "job.json"))
+    raw = _read_json(rdir / "plan.json")
+    try:
+        plan = Plan.from_dict(raw)
+    except TypeError as err:
+        raise ConfigError(f"not a plan written by this milehpc version ({err})", file=str(rdir / "plan.json")) from None
+    partition: dict[str, Any] = {}
+    if (rdir / "site.json").exists():
+        partition = dict(_read_json(rdir / "site.json").get("partition") or {})
+    return job, plan, partition
+
+
+def _mpi_rank_from_env() -> int:
+    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def _end(code: int, message: str | None, rank: int) -> None:
+    if message:
+        print(f"milehpc: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
+    """Run this rank of the job in ``run_dir``; returns only on success (see the module docstring)."""
+    try:
+        job, plan, partition = load_run_dir(run_dir)
+    except MilehpcError as err:
+        rank = _mpi_rank_from_env()
+        _end(err.exit_code, str(err) if rank == 0 else None, rank)
+        return
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    if size != plan.world_size:
+        hint = (" (every rank alone in a world of 1: the launcher's MPI plugin does not match this MPI library, "
+                "e.g. srun --mpi=pmix for Open MPI)" if size == 1 else "")
+        err = ConfigError(f"expected an MPI world of {plan.world_size} ranks, got {size}: start the job with "
+                          f"`mpirun -np {plan.world_size}` or `srun -n {plan.world_size}`{hint}",
+                          file=str(Path(run_dir) / "plan.json"), field="world_size")
+        if rank != 0:
+            time.sleep(1.0)  # let rank 0 print before the launcher tears the job down
+        _end(err.exit_code, str(err) if rank == 0 else None, rank)
+        return
+
+    from milehpc.plugin_types import load_ref
+    from milehpc.runtime.comm import bootstrap
+    from milehpc.runtime.context import RunContext
+    from milehpc.runtime.signals import RequeueExit
+
+    comms = None
+    try:
+        run_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("MILEHPC_RUN_ID") or Path(run_dir).resolve().name
+        comms = bootstrap(plan, job, run_id=run_id, master_addr=partition.get("master_addr"))
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        ctx = RunContext(job=job, plan=plan, comms=comms, run_dir=Path(run_dir),
+                         restart_count=int(restarts) if restarts.isdigit() else 0, partition=partition)
+        load_ref(entry or DEFAULT_ENTRY)(ctx)
+        comms.close()
+    except RequeueExit as err:  # every rank checkpointed on request (runtime.signals): end quietly with 75
+        if comms is not None:
+            comms.watchdog.stop()
+        _end(err.exit_code, None, rank)
+    except MilehpcError as err:
+        _fail(comms, rank, str(err), err.exit_code)
+    except (Exception, KeyboardInterrupt) as err:  # a bug or an interrupt: show where, and end the others too
+        traceback.print_exc()
+        _fail(comms, rank, f"{type(err).__name__}: {err}", 1)
+
+
+def _fail(comms: Any, rank: int, message: str, code: int) -> None:
+    if comms is None:
+        _end(code, message, rank)
+        return
+    dog = comms.watchdog
+    if dog.failure is not None and not dog.detected_here and message.endswith(dog.failure):
+        # Another rank's failure, already reported by whoever saw it: only rank 0 repeats it.
+        _end(code, message if rank == 0 else None, rank)
+        return
+    dog.declare(message if message.startswith(f"rank {rank}") else f"rank {rank} failed: {message}")
+    _end(code, message, rank)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m milehpc.runtime.launch RUN_DIR [--entry module:function]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="milehpc launch")
+    parser.add_argument("run_dir")
+    parser.add_argument("--entry", default=None, help="module:function called with the RunContext")
+    args = parser.parse_args(argv)
+    launch(args.run_dir, args.entry)
+
+
+if __name__ == "__main__":
+    main()

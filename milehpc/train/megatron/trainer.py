@@ -1,0 +1,590 @@
+"""The Megatron-core trainer: TP/PP/DP (EP for MoE) inside milehpc's MPI job, no torchrun.
+
+* **Process groups**: the runtime has already made the torch.distributed default group = the trainer ranks
+  (tp * pp * dp of them, in Megatron's order: TP fastest, then DP, then PP — the plan's ``trainer_coords``), so
+  ``parallel_state.initialize_model_parallel`` carves TP/PP/DP/EP out of it directly.
+* **Weights**: every trainer rank starts from the same HF weights as the rollout engines (built from the job spec
+  with the run's seed, or loaded from ``model.path``), converted and TP/PP-sliced (:mod:`.convert`), so trainer
+  and engine agree before the first sync.
+* **Step**: Megatron DDP + ``get_megatron_optimizer`` (Adam; the distributed optimizer with
+  ``trainer.distributed_optimizer``); micro-batches through Megatron's pipeline schedules (1F1B for PP > 1); the
+  algorithm plugin's loss on per-token logprobs computed from the vocab-parallel logits (never gathered).
+* **Batch**: the ranks of one DP replica (its TP x PP ranks) must see the same samples. Whatever the loop hands
+  each rank, :meth:`MegatronTrainer._replica_samples` makes it so: identical lists are used as they are, different
+  lists (a loop that split the batch over all trainer ranks) are concatenated in rank order.
+* **Weight export** (:meth:`export_weights`, a collective over the trainer ranks): each PP stage's leader (tp=0,
+  dp=0) returns that stage's layers in HF names, TP shards (and EP experts) gathered; one sync group per stage.
+* **Routing replay (R3)**: with ``trainer.options.routing_replay`` the experts the rollout engine chose
+  (``Sample.routed_experts``) are fed to Megatron's ``RouterReplay`` before every micro-batch forward.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from milehpc.rollout.sample import Sample
+
+if TYPE_CHECKING:
+    import torch
+
+    from milehpc.config.job import JobSpec
+    from milehpc.rollout.batch import Batch
+
+_MASKED_LOGIT = -1e9  # padded vocabulary columns (finite: 0 * it stays 0 in the entropy)
+
+
+def init_parallel(tp: int, pp: int, ep: int = 1, *, timeout_s: float = 600.0, seed: int = 0, moe: bool = False,
+                  ) -> None:
+    """Megatron's parallel state from the already-initialised default process group (idempotent)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from milehpc.train.megatron import cpu_adapt, fixes
+
+    cpu_adapt.apply()
+    fixes.apply()
+    if not dist.is_initialized():
+        raise RuntimeError("megatron trainer: torch.distributed is not initialised (the runtime bootstraps it)")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise RuntimeError(f"megatron trainer: trainer world size {world} is not a multiple of tp*pp={tp * pp}")
+    if ps.model_parallel_is_initialized():
+        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+            ps.destroy_model_parallel()
+        else:
+            return
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        # Experts whole on each rank (EP splits them; TP does not), which keeps conversion simple.
+        expert_tensor_parallel_size=1 if moe else None,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, *,
+                            entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token logprobs of ``targets`` (and optionally the entropy) from this TP rank's slice of the logits
+    ``[..., V/tp]`` — exact, without gathering the vocabulary. Columns past the HF vocab (TP padding) are masked."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    # A fresh contiguous fp32 copy: Megatron's cross entropy works in place on its input.
+    x = logits.to(torch.float32, copy=True).contiguous()
+    part = x.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * part
+    if start + part > vocab_size:
+        cols = torch.arange(start, start + part, device=x.device) >= vocab_size
+        x = x.masked_fill(cols, _MASKED_LOGIT)
+    ent = None
+    if entropy:
+        # H = log Z - sum p z with z = x - max: two all-reduces over TP; backward is the identity per rank.
+        m = x.detach().max(dim=-1, keepdim=True).values
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX,
+                                     group=ps.get_tensor_model_parallel_group())
+        z = x - m
+        e = z.exp()
+        total = tensor_parallel.reduce_from_tensor_model_parallel_region(e.sum(-1))
+        pz = tensor_parallel.reduce_from_tensor_model_parallel_region((e * z).sum(-1))
+        ent = total.log() - pz / total
+    nll = tensor_parallel.vocab_parallel_cross_entropy(x.clone() if entropy else x, targets.contiguous())
+    return -nll, ent
+
+
+class MegatronTrainer:
+    """Implements :class:`milehpc.train.base.Trainer` with megatron-core."""
+
+    # Every trainer rank must call export_weights (TP/EP gathers), not only the sync-group sources.
+    export_is_collective = True
+
+    def __init__(self, job: JobSpec, *, pad_id: int, vocab_size: int, eos_id: int = 2, algorithm: Any = None,
+                 hf_model: Any = None, hf_config: Any = None) -> None:
+        import torch
+
+        from milehpc.train.megatron import model as mm
+
+        self.job = job
+        tr = job.trainer
+        self.pad_id, self.vocab_size, self.eos_id = int(pad_id), int(vocab_size), int(eos_id)
+        t = job.rollout.temperature
+        self.temperature = t if t > 0 else 1.0
+        if algorithm is None:
+            from milehpc.algorithms.api import Algorithm
+
+            algorithm = Algorithm.from_job(job)
+        self.algorithm = algorithm
+        if getattr(algorithm, "needs_critic", False) or getattr(algorithm, "needs_ref", False):
+            raise ValueError("trainer.backend = 'megatron' does not support a critic or a KL reference model yet; "
+                             "use algorithm.kl_coef = 0 and a critic-free estimator, or trainer.backend = 'torch'")
+        if hf_config is None:
+            hf_config = hf_model.config if hf_model is not None else mm.hf_config_for(
+                job.model, vocab_size, pad_id=pad_id, eos_id=eos_id)
+        self.arch = mm.arch_of(hf_config)
+        self.replay = bool(tr.options.get("routing_replay", False)) and self.arch.is_moe
+        init_parallel(tr.tp, tr.pp, tr.ep, timeout_s=job.resources.collective_timeout_s, seed=job.run.seed,
+                      moe=self.arch.is_moe)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.tp, self.pp = tr.tp, tr.pp
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.config = mm.transformer_config(self.arch, tr, routing_replay=self.replay,
+                                            use_cpu_initialization=not torch.cuda.is_available())
+        self.te = mm.use_transformer_engine(tr)
+        self.module = mm.build_gpt(self.arch, self.config, tp=self.tp, te=self.te)
+        self._load_hf(hf_model)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        if self.device.type == "cuda":
+            self.module.cuda()
+        self.ddp, self.optimizer = self._wrap()
+        self.version = 0
+        self.steps = 0
+
+    # ---- construction ------------------------------------------------------------------------------------
+    @property
+    def layer_offset(self) -> int:
+        layers = self.module.decoder.layers
+        return int(layers[0].layer_number) - 1 if len(layers) else 0
+
+    @property
+    def expert_offset(self) -> int:
+        if not self.arch.is_moe:
+            return 0
+        ep = self.ps.get_expert_model_parallel_world_size()
+        return self.ps.get_expert_model_parallel_rank() * (self.arch.num_experts // ep)
+
+    def local_names(self) -> list[str]:
+        return [n for n in self.module.state_dict() if not n.endswith("_extra_state")]
+
+    def _load_hf(self, hf_model: Any) -> None:
+        """Start from the HF weights the rollout engines start from (same builder, same seed)."""
+        from milehpc.train.megatron import convert
+        from milehpc.train.megatron.model import padded_vocab_size
+
+        if hf_model is None:
+            from milehpc.train.model import build_model
+
+            hf_model = build_model(self.job.model, self.vocab_size, seed=self.job.run.seed, pad_id=self.pad_id,
+                                   eos_id=self.eos_id)
+        full = convert.from_hf(dict(hf_model.state_dict()), self.arch,
+                               padded_vocab=padded_vocab_size(self.arch.vocab_size, self.tp))
+        del hf_model
+        shard = convert.local_shard(full, self.local_names(), tp=self.tp, tp_rank=self.tp_rank,
+                                    layer_offset=self.layer_offset, expert_offset=self.expert_offset)
+        dtype = self.config.params_dtype
+        missing = self.module.load_state_dict({k: v.to(dtype) for k, v in shard.items()}, strict=False)
+        bad = [k for k in missing.missing_keys if not k.endswith("_extra_state")] + list(missing.unexpected_keys)
+        if bad:
+            raise RuntimeError(f"megatron trainer: converted HF weights do not fit the model: {bad[:5]}")
+
+    def _wrap(self) -> tuple[Any, Any]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
+            finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        tr = self.job.trainer
+        module = self.module
+        if self.config.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            module = Float16Module(self.config, module)
+        ddp = DistributedDataParallel(
+            self.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                          use_distributed_optimizer=tr.distributed_optimizer),
+            module,
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=tr.lr, min_lr=tr.min_lr, weight_decay=tr.weight_decay,
+                            adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
+                            clip_grad=tr.clip_grad, bf16=self.config.bf16, params_dtype=self.config.params_dtype,
+                            use_distributed_optimizer=tr.distributed_optimizer),
+            [ddp],
+        )
+        return ddp, opt
+
+    # ---- the batch of this DP replica ---------------------------------------------------------------------
+    def _replica_samples(self, samples: list[Sample]) -> list[Sample]:
+        import torch.distributed as dist
+
+        group = self.ps.get_model_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return list(samples)
+        lists: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(lists, [s.to_dict() for s in samples], group=group)
+        if all(x == lists[0] for x in lists):
+            return list(samples)
+        return [Sample.from_dict(d) for part in lists for d in part]
+
+    def _batch(self, samples: list[Sample]) -> Batch:
+        from milehpc.rollout.batch import to_batch
+
+        return to_batch(samples, self.pad_id).to(self.device)
+
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        """Equal-sized micro-batches (PP sends fixed shapes): the last one is padded with fully masked rows."""
+        import torch
+
+        size = min(self.job.trainer.micro_batch_size, batch.size)
+        pad = -batch.size % size
+        if pad:
+            idx = list(range(batch.size)) + [0] * pad
+            batch = batch.select(idx)
+            batch.response_mask[-pad:] = 0
+            if batch.samples is not None:
+                batch.samples = batch.samples[: -pad] + [None] * pad  # type: ignore[list-item]
+            batch.response_lengths = batch.response_lengths.clone()
+            batch.response_lengths[-pad:] = 0
+            batch.rewards = batch.rewards.clone()
+        mbs = batch.split(size)
+        for mb in mbs:
+            mb.response_mask = mb.response_mask.to(torch.float32)
+        return mbs
+
+    # ---- forward through the schedule --------------------------------------------------------------------
+    def _replay_tensors(self, mb: Batch) -> list[torch.Tensor]:
+        """This stage's routing-replay indices of one micro-batch: per local MoE layer ``[T * B, k]`` in the
+        router's token order (sequence-major). Positions without recorded routing (padding, the last token)
+        get experts 0..k-1; they feed nothing that is trained on."""
+        import torch
+
+        b, t = mb.input_ids.shape
+        k, layers = self.arch.moe_top_k, len(self.module.decoder.layers)
+        idx = torch.arange(k, dtype=torch.long).repeat(t, b, layers, 1)  # [T, B, L, k]
+        width = mb.prompt_width
+        for i, s in enumerate(mb.samples or []):
+            if s is None or not s.routed_experts:
+                continue
+            rec = torch.as_tensor(s.routed_experts, dtype=torch.long)  # [tokens, L_total, k]
+            start = width - len(s.prompt_ids)
+            n = min(rec.shape[0], t - start)
+            idx[start:start + n, i] = rec[:n, self.layer_offset:self.layer_offset + layers]
+        return [idx[:, :, j].reshape(t * b, k).to(self.device) for j in range(layers)]
+
+    def _set_replay(self, mb: Batch) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        RouterReplay.clear_global_indices()
+        RouterReplay.set_replay_data(self._replay_tensors(mb))
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _run(self, mbs: list[Batch], loss_func: Any, *, forward_only: bool) -> list[Any]:
+        """Megatron's forward(-backward) schedule over ``mbs``; returns the loss_func outputs (last stage)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from milehpc.train.megatron.model import attention_mask
+
+        def forward_step(data_iterator: Iterator[Batch], model: Any) -> tuple[Any, Any]:
+            mb = next(data_iterator)
+            if self.replay:
+                self._set_replay(mb)
+            out = model(mb.input_ids, mb.position_ids, attention_mask(mb.attention_mask))
+            return out, partial(loss_func, mb)
+
+        seq = int(mbs[0].input_ids.shape[1])
+        fb = get_forward_backward_func()
+        out = fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp],
+                 num_microbatches=len(mbs), seq_length=seq, micro_batch_size=int(mbs[0].size),
+                 forward_only=forward_only)
+        if self.replay:
+            from megatron.core.transformer.moe.router_replay import RouterReplay
+
+            RouterReplay.clear_global_indices()
+            RouterReplay.clear_global_router_replay_action()
+        return out
+
+    def _logprobs_of(self, mb: Batch, logits: torch.Tensor, *, entropy: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        sliced = mb.response_logits(logits)
+        if self.temperature != 1.0:
+            sliced = sliced / self.temperature
+        return vocab_parallel_logprobs(sliced, mb.responses.clamp(min=0), self.arch.vocab_size, entropy=entropy)
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """Broadcast a python object from the last PP stage to the other stages of this pipeline."""
+        import torch.distributed as dist
+
+        if self.pp == 1:
+            return obj
+        box = [obj]
+        src = dist.get_global_rank(self.ps.get_pipeline_model_parallel_group(), self.pp - 1)
+        dist.broadcast_object_list(box, src=src, group=self.ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    def _dp_sum(self, values: list[float], op: str = "sum") -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        if self.dp_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
+                        group=self.ps.get_data_parallel_group())
+        return t.tolist()
+
+    # ---- Trainer protocol ---------------------------------------------------------------------------------
+    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        import torch
+
+        samples = self._replica_samples(samples)
+        batch = self._batch(samples)
+        mbs = self._micro_batches(batch)
+
+        def loss_func(mb: Batch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            logp, _ = self._logprobs_of(mb, logits)
+            return logits.new_zeros(()), {"logprobs": logp.detach().cpu()}
+
+        self.ddp.eval()
+        with torch.no_grad():
+            out = self._run(mbs, loss_func, forward_only=True)
+        rows = self._from_last_stage([r for o in out for r in o["logprobs"].tolist()] if out else None)
+        lengths = [len(s.response_ids) for s in samples]
+        return [row[:n] for row, n in zip(rows, lengths, strict=False)]
+
+    def train_step(self, samples: list[Sample], step: int) -> dict[str, float]:
+        import torch
+
+        from milehpc.train.torch_trainer import lr_factor
+
+        t0 = time.perf_counter()
+        samples = self._replica_samples(samples)
+        batch = self._batch(samples)
+        if self.algorithm.needs_old_logprobs:
+            old = self.compute_logprobs(samples)
+            batch.old_logprobs = torch.zeros_like(batch.response_mask)
+            for i, row in enumerate(old):
+                batch.old_logprobs[i, : len(row)] = torch.tensor(row)
+        adv_metrics = self.algorithm.compute_advantages(batch)
+        tokens, seqs = self._dp_sum([batch.num_tokens, batch.num_seqs])
+        tr = self.job.trainer
+        factor = lr_factor(self.steps, warmup=tr.warmup_steps, total=self.job.run.steps, schedule=tr.lr_schedule,
+                           min_ratio=tr.min_lr / tr.lr if tr.lr else 0.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = tr.lr * factor
+        mbs = self._micro_batches(batch)
+        n_mb = len(mbs)
+        version = self.version
+
+        def loss_func(mb: Batch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            logp, ent = self._logprobs_of(mb, logits, entropy=True)
+            if mb.old_logprobs is None:
+                mb.old_logprobs = logp.detach()
+            loss, metrics = self.algorithm.loss(logp, mb, entropy=ent, global_tokens=tokens, global_seqs=seqs,
+                                                dp_size=self.dp_size)
+            extra = {"tokens": float(mb.num_tokens)}
+            if mb.rollout_logprobs is not None and mb.samples is not None:
+                fresh = torch.tensor([s is not None and s.weight_version == version for s in mb.samples],
+                                     dtype=torch.bool, device=logp.device)
+                m = mb.response_mask.bool() & fresh[:, None]
+                if m.any():
+                    d = (logp.detach() - mb.rollout_logprobs).abs()[m]
+                    extra.update(diff_max=float(d.max()), diff_sum=float(d.sum()), diff_n=float(d.numel()))
+            # The schedule divides by the number of micro-batches; the loss is already globally normalised.
+            return loss * n_mb, {"metrics": metrics, **extra}
+
+        self.ddp.train()
+        grad_norm = 0.0
+        outs: list[Any] = []
+        for _epoch in range(self.job.algorithm.ppo_epochs):
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            outs = self._run(mbs, loss_func, forward_only=False)
+            ok, norm, _ = self.optimizer.step()
+            if not ok:
+                raise RuntimeError("megatron trainer: optimizer step skipped (non-finite gradients)")
+            grad_norm = float(norm or 0.0)
+        self.version += 1
+        self.steps += 1
+        summary = self._from_last_stage(self._summarise(outs, tokens))
+        keys = sorted(summary["sums"])
+        reduced = self._dp_sum([summary["sums"][k] for k in keys] + [summary["diff_sum"], summary["diff_n"]])
+        out = {f"train/{k}": v / self.dp_size for k, v in zip(keys, reduced, strict=False)}
+        out.update({f"train/{k}": v for k, v in adv_metrics.items()})
+        out["train/grad_norm"] = grad_norm
+        out["train/lr"] = tr.lr * factor
+        out["train/tokens"] = tokens
+        if reduced[-1] > 0:
+            out["train/logprob_diff_mean"] = reduced[-2] / reduced[-1]
+            out["train/logprob_diff_max"] = self._dp_sum([summary["diff_max"]], "max")[0]
+        out["time/train_compute"] = time.perf_counter() - t0
+        return out
+
+    def _summarise(self, outs: list[Any], tokens: float) -> dict[str, Any]:
+        """Token-weighted sums of the loss metrics of this rank's micro-batches (last stage; else empty)."""
+        sums: dict[str, float] = {}
+        diff = {"diff_max": 0.0, "diff_sum": 0.0, "diff_n": 0.0}
+        for o in outs:
+            w = o["tokens"] / max(tokens / self.dp_size, 1.0)
+            for k, v in o["metrics"].items():
+                sums[k] = sums.get(k, 0.0) + float(v) * w
+            diff["diff_max"] = max(diff["diff_max"], o.get("diff_max", 0.0))
+            diff["diff_sum"] += o.get("diff_sum", 0.0)
+            diff["diff_n"] += o.get("diff_n", 0.0)
+        return {"sums": sums, **diff}
+
+    # ---- SFT warm-up (the loop's interface: trainer._adamw(trainer.model.parameters(), lr), sft_step) --------
+    @property
+    def model(self) -> Any:
+        return self.ddp
+
+    def _adamw(self, params: Any, lr: float) -> Any:
+        """The optimizer of the supervised warm-up: its own Adam state (like the torch trainer's separate AdamW),
+        except with the distributed optimizer, whose shards of the main params must stay the only copy."""
+        if self.job.trainer.distributed_optimizer:
+            return _SftOptimizer(self.optimizer, lr)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        tr = self.job.trainer
+        opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1,
+                            adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps, clip_grad=tr.clip_grad,
+                            bf16=self.config.bf16, params_dtype=self.config.params_dtype),
+            [self.ddp],
+        )
+        return _SftOptimizer(opt, lr)
+
+    def sft_step(self, samples: list[Sample], optimizer: Any) -> dict[str, float]:
+        """One supervised step: token-mean NLL of the responses over the global token count."""
+        import torch
+
+        samples = self._replica_samples(samples)
+        batch = self._batch(samples)
+        (tokens,) = self._dp_sum([batch.num_tokens])
+        mbs = self._micro_batches(batch)
+        n_mb = len(mbs)
+
+        def loss_func(mb: Batch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            logp, _ = self._logprobs_of(mb, logits)
+            loss = -(logp * mb.response_mask).sum() / max(tokens, 1.0) * self.dp_size
+            return loss * n_mb, {"loss": float(loss.detach()) / self.dp_size}
+
+        for group in optimizer.opt.param_groups:
+            group["lr"] = optimizer.lr
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        optimizer.opt.zero_grad()
+        outs = self._run(mbs, loss_func, forward_only=False)
+        ok, norm, _ = optimizer.opt.step()
+        total = self._from_last_stage(sum(o["loss"] for o in outs) if outs else 0.0)
+        return {"sft/loss": self._dp_sum([total])[0], "sft/grad_norm": float(norm or 0.0)}
+
+    def freeze_reference(self) -> None:
+        """No KL reference model in the Megatron trainer (rejected at construction)."""
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def export_weights(self, *, moe_layout: str = "transformers") -> list[tuple[str, torch.Tensor]]:
+        """Collective over the trainer ranks: this PP stage's weights in HF names on the stage leader (tp=0,
+        dp=0); an empty list elsewhere. TP shards are gathered over the TP group, experts over the EP group."""
+        import torch
+
+        from milehpc.train.megatron import convert
+
+        leader = self.tp_rank == 0 and self.dp_rank == 0
+        expert_gather = self.arch.is_moe and self.ps.get_expert_model_parallel_world_size() > 1
+        full: list[tuple[str, torch.Tensor]] = []
+        for name, p in self.module.named_parameters():
+            t = p.detach()
+            if ".local_experts." in name:
+                if expert_gather:
+                    parts = self._gather(t, self.ps.get_expert_model_parallel_group())
+                    local = len(self.module.decoder.layers[0].mlp.experts.local_experts)
+                    idx = int(name.split(".local_experts.")[1].split(".")[0])
+                    for r, part in enumerate(parts):
+                        full.append((name.replace(f".local_experts.{idx}.", f".local_experts.{r * local + idx}."),
+                                     part))
+                    continue
+                full.append((name, t))  # experts are not TP-split (expert_tensor_parallel_size = 1)
+                continue
+            if self.dp_rank != 0:
+                continue
+            if convert.tp_dim(name) is not None and self.tp > 1:
+                t = convert.tp_gather(name, self._gather(t, self.ps.get_tensor_model_parallel_group()))
+            full.append((name, t))
+        if not leader:
+            return []
+        glob = convert.rename_layers(full, self.layer_offset, 0 if expert_gather else self.expert_offset)
+        return [(n, t.cpu().contiguous()) for n, t in convert.to_hf(glob, self.arch, moe_layout=moe_layout)]
+
+    @staticmethod
+    def _gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return parts
+
+    # ---- checkpoint ----------------------------------------------------------------------------------------
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """This rank's shard as trained (same layout resumes bit-exactly). For resuming at another TP/PP size use
+        :func:`milehpc.train.megatron.checkpoint.save` / ``load`` (megatron dist_checkpointing)."""
+        import torch
+
+        return {"model": {k: v for k, v in self.ddp.state_dict().items() if not k.endswith("_extra_state")},
+                "optimizer": self.optimizer.state_dict(), "version": self.version, "steps": self.steps,
+                "rng_tracker": _tracker_states(), "cpu_rng": torch.get_rng_state()}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        import torch
+
+        self.ddp.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.steps = int(state["version"]), int(state["steps"])
+        _set_tracker_states(state.get("rng_tracker"))
+        torch.set_rng_state(state["cpu_rng"])
+
+    def offload(self) -> None:
+        """Colocated runs on GPUs would release memory here (torch_memory_saver); nothing to move on CPU."""
+
+    def onload(self) -> None:
+        """See :meth:`offload`."""
+
+
+class _SftOptimizer:
+    """The loop's handle on the warm-up optimizer: a Megatron optimizer and its learning rate."""
+
+    def __init__(self, opt: Any, lr: float) -> None:
+        self.opt, self.lr = opt, lr
+
+
+def _tracker_states() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    return dict(tensor_parallel.get_cuda_rng_tracker().get_states())
+
+
+def _set_tracker_states(states: dict[str, Any] | None) -> None:
+    from megatron.core import tensor_parallel
+
+    if states:
+        tensor_parallel.get_cuda_rng_tracker().set_states(dict(states))
+
+
+def from_context(ctx: Any) -> MegatronTrainer:
+    """Trainer factory (``impl(ctx)``) for ``trainer.backend = "megatron"``."""
+    from milehpc.data.tokenizer import build_tokenizer
+
+    import dataclasses
+
+    from milehpc import plugins
+    from milehpc.config.schema import check_params
+
+    job = ctx.job
+    spec = plugins.lookup("trainer", job.trainer.backend)
+    options = check_params(spec.defaults, job.trainer.options, file=None, prefix="trainer.options")
+    job = dataclasses.replace(job, trainer=dataclasses.replace(job.trainer, options=options))
+    tok = build_tokenizer(job.model.tokenizer)
+    trainer = MegatronTrainer(job, pad_id=tok.pad_id, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
+    trainer.tokenizer = tok
+    return trainer

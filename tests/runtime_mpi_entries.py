@@ -1,0 +1,164 @@
+"""Entry points (``module:function``) that the runtime's MPI tests launch on every rank with ``milehpc launch``.
+
+Each writes what it saw to ``RUN_DIR/out/rank-N.json`` for the test to assert on. Imported by the ranks only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+
+def _write(ctx: Any, data: dict[str, Any]) -> None:
+    out = ctx.run_dir / "out"
+    out.mkdir(exist_ok=True)
+    (out / f"rank-{ctx.rank}.json").write_text(json.dumps(data))
+
+
+def _size(comm: Any) -> int | None:
+    return None if comm is None else comm.Get_size()
+
+
+def model_tensors(seed: int = 0, layers: int = 40) -> list[tuple[str, Any]]:
+    """A few hundred named tensors of mixed dtypes, shapes like a small transformer (deterministic)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out: list[tuple[str, Any]] = [("embed_tokens.weight", torch.randn(512, 64, generator=gen))]
+    for i in range(layers):
+        p = f"layers.{i}."
+        out += [
+            (p + "self_attn.qkv.weight", torch.randn(192, 64, generator=gen).to(torch.bfloat16)),
+            (p + "self_attn.qkv.bias", torch.randn(192, generator=gen).to(torch.bfloat16)),
+            (p + "self_attn.o_proj.weight", torch.randn(64, 64, generator=gen).to(torch.float16)),
+            (p + "mlp.fc1.weight", torch.randn(256, 64, generator=gen)),
+            (p + "mlp.fc2.weight", torch.randn(64, 128, generator=gen).t()),  # non-contiguous
+            (p + "input_layernorm.weight", torch.rand(64, generator=gen)),
+            (p + "router.counts", torch.randint(0, 1 << 40, (8,), generator=gen)),  # int64
+            (p + "mask", torch.rand(7, generator=gen) > 0.5),  # bool, odd size (alignment)
+        ]
+    out += [("norm.weight", torch.ones(64)), ("step", torch.tensor(3.5, dtype=torch.float64)),
+            ("lm_head.weight", torch.randn(512, 64, generator=gen))]
+    return out
+
+
+class DictEngine:
+    """The part of the Engine protocol weight sync touches: loads (copies) named tensors, tracks the version."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, Any] = {}
+        self.version = -1
+        self.updates = 0
+
+    def update_weights(self, named_tensors: Any, version: int) -> None:
+        for name, tensor in named_tensors:
+            self.weights[name] = tensor.clone()
+        self.version = version
+        self.updates += 1
+
+    def named_parameters(self) -> Any:
+        return iter(self.weights.items())
+
+
+def groups(ctx: Any) -> None:
+    """Report the split and the groups, and prove the torch groups work (all-reduce / broadcast)."""
+    import torch
+    import torch.distributed as dist
+
+    comms, plan = ctx.comms, ctx.plan
+    data: dict[str, Any] = {
+        "rank": comms.rank, "size": comms.size, "role": plan.role(comms.rank), "trainer": _size(comms.trainer),
+        "rollout": _size(comms.rollout), "engine": _size(comms.engine), "device": str(comms.device),
+        "backend": comms.backend, "restart_count": ctx.restart_count,
+        "sync": {str(s): g.ranks for s, g in comms.sync_groups.items()},
+    }
+    if comms.is_trainer:
+        t = torch.tensor([float(comms.rank + 1)])
+        dist.all_reduce(t)
+        data |= {"dist_world": dist.get_world_size(), "dist_rank": dist.get_rank(), "allreduce": t.item()}
+    got = {}
+    for stage, group in sorted(comms.sync_groups.items()):
+        t = torch.tensor([100.0 + stage]) if group.is_source else torch.zeros(1)
+        group.wait(group.broadcast(t), f"test broadcast stage {stage}")
+        got[str(stage)] = t.item()
+    data["sync_bcast"] = got
+    _write(ctx, data)
+
+
+def sync(ctx: Any) -> None:
+    """Bucketed sync of model_tensors() to every rollout rank, bit-exact; then check_weight_update_equal, clean and
+    with one corrupted parameter on the last rank."""
+    import torch
+
+    from milehpc.runtime.weights import check_weight_update_equal, compare_named_tensors, sync_weights
+
+    comms, plan = ctx.comms, ctx.plan
+    bucket = int(os.environ.get("TEST_BUCKET_BYTES", 64 * 1024))
+    expected = model_tensors()
+    split = len(expected) // plan.pp
+
+    def stage_tensors(stage: int) -> list[tuple[str, Any]]:
+        return expected[stage * split: (stage + 1) * split if stage < plan.pp - 1 else None]
+
+    engine = DictEngine() if comms.is_rollout else None
+    data: dict[str, Any] = {"rank": comms.rank, "tensors": len(expected)}
+    for version in (1, 2):
+        sync_weights(comms, version, named_tensors=stage_tensors, engine=engine, bucket_bytes=bucket)
+    if engine is not None:
+        result = compare_named_tensors(expected, engine.weights, rank=comms.rank)
+        data |= {"bit_exact": result.ok, "checked": result.checked, "version": engine.version,
+                 "updates": engine.updates, "dtypes": sorted({str(t.dtype) for t in engine.weights.values()}),
+                 "summary": result.summary()}
+    data["group_versions"] = {str(s): g.version for s, g in comms.sync_groups.items()}
+    checks = {}
+    for label in ("clean", "corrupted"):
+        if label == "corrupted" and engine is not None and comms.rank == plan.world_size - 1:
+            target = engine.weights["layers.7.mlp.fc1.weight"]
+            target[3, 5] += 0.25
+        for stage, group in sorted(comms.sync_groups.items()):
+            res = check_weight_update_equal(group, named_tensors=stage_tensors(stage) if group.is_source else None,
+                                            local=engine.weights if engine is not None else None,
+                                            skip=["*.router.counts"], bucket_bytes=bucket)
+            worst = res.worst
+            checks[f"{label}/{stage}"] = {"ok": res.ok, "checked": res.checked, "skipped": res.skipped,
+                                          "worst": None if worst is None else [worst.name, worst.rank,
+                                                                               worst.max_abs_diff],
+                                          "summary": res.summary()}
+    data["checks"] = checks
+    if engine is not None:  # tolerance: the same corruption passes with atol 0.3
+        data["tolerant"] = compare_named_tensors(expected, engine.weights, atol=0.3).ok
+    del torch
+    _write(ctx, data)
+
+
+def die(ctx: Any) -> None:
+    """Rank 2 is killed (SIGKILL) while the others wait for it in a weight sync / a barrier."""
+    comms = ctx.comms
+    _write(ctx, {"rank": comms.rank, "pid": os.getpid(), "started": time.time()})
+    if comms.rank == 2:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if comms.sync_groups:
+        from milehpc.runtime.weights import sync_weights
+
+        engine = DictEngine() if comms.is_rollout else None
+        sync_weights(comms, 1, named_tensors=model_tensors(layers=2), engine=engine)
+    comms.barrier(what="after the weight sync")
+    time.sleep(600)  # never reached when the runtime works
+
+
+def stuck(ctx: Any) -> None:
+    """Rank 1 never arrives at the barrier (alive but stuck): the others must time out naming it."""
+    if ctx.comms.rank == 1:
+        time.sleep(600)
+    ctx.comms.barrier(what="test barrier", timeout=3)
+
+
+def crash(ctx: Any) -> None:
+    """Rank 3 raises; the others are waiting in a barrier and must end with its message."""
+    if ctx.comms.rank == 3:
+        raise ValueError("deliberate failure in the test entry")
+    ctx.comms.barrier(what="test barrier")

@@ -1,0 +1,218 @@
+"""Colocated mode: the offload/onload order (Miles'), with the real SGLangEngine calls, the real torch trainer on
+CPU, and *recording stand-ins* for what needs a GPU: torch_memory_saver and the in-process sglang.Engine (same
+method signatures as sgl-project/sglang python/sglang/srt/entrypoints/engine.py; see test_sglang_mapping.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from milehpc.config.load import job_from_dict
+from milehpc.data.tokenizer import build_tokenizer
+from milehpc.errors import RuntimeFailure
+from milehpc.rollout import sglang_mapping as sm
+from milehpc.rollout.engine import SamplingParams
+from milehpc.rollout.sglang_engine import SGLangEngine
+from milehpc.runtime.colocate import ColocatedStep
+
+MILES_ORDER = [
+    "sglang.generate",
+    "sglang.release_memory_occupation(cuda_graph,kv_cache,weights)",  # offload rollout
+    "saver.region(train,cpu_backup=True)",  # train (its state lives in the pausable region)
+    "saver.pause(train)",  # offload train
+    "sglang.resume_memory_occupation(weights)",  # onload rollout weights
+    "sglang.update_weights_from_tensor",  # update weights (one call per bucket)
+    "sglang.flush_cache",
+    "sglang.resume_memory_occupation(kv_cache,cuda_graph)",  # onload KV cache
+]
+
+
+class RecordingMemorySaverStandIn:
+    """Stand-in for ``torch_memory_saver.torch_memory_saver`` (region/pause/resume need libcuda)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.paused: set[str] = set()
+
+    @contextlib.contextmanager
+    def region(self, tag: str = "default", enable_cpu_backup: bool = False):
+        assert tag not in self.paused, "allocating into a paused region"
+        self.log.append(f"saver.region({tag},cpu_backup={enable_cpu_backup})")
+        yield
+
+    def pause(self, tag: str | None = None) -> None:
+        assert tag not in self.paused
+        self.paused.add(tag)
+        self.log.append(f"saver.pause({tag})")
+
+    def resume(self, tag: str | None = None) -> None:
+        assert tag in self.paused
+        self.paused.discard(tag)
+        self.log.append(f"saver.resume({tag})")
+
+
+class RecordingSGLangEngineStandIn:
+    """Stand-in for ``sglang.Engine`` (needs a GPU): same method names and keyword arguments; keeps the weights
+    it is sent and answers ``generate`` in SGLang's output shape."""
+
+    def __init__(self, log: list[str], **server_args) -> None:
+        self.log, self.server_args = log, server_args
+        self.weights: dict[str, torch.Tensor] = {}
+        self.released: set[str] = set()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                 return_routed_experts=False, **_):
+        assert not self.released, f"generate with released memory {self.released}"
+        assert return_logprob
+        self.log.append("sglang.generate")
+        outs = []
+        for ids, sp in zip(input_ids, sampling_params, strict=True):
+            n = sp["max_new_tokens"]
+            toks = torch.randint(3, 12, (n,), generator=self.gen).tolist()
+            lps = (-torch.rand(n, generator=self.gen)).tolist()
+            outs.append({"output_ids": toks, "meta_info": {
+                "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(ids),
+                "completion_tokens": n, "output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, toks)]}})
+        return outs
+
+    def release_memory_occupation(self, tags=None):
+        self.released |= set(tags)
+        self.log.append(f"sglang.release_memory_occupation({','.join(tags)})")
+
+    def resume_memory_occupation(self, tags=None):
+        self.released -= set(tags)
+        self.log.append(f"sglang.resume_memory_occupation({','.join(tags)})")
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        assert "weights" not in self.released, "weights updated while released"
+        assert flush_cache is False and load_format is None
+        for name, t in named_tensors:
+            self.weights[name] = t.clone()
+        self.log.append("sglang.update_weights_from_tensor")
+        return True, "Succeeded to update model weights."
+
+    def flush_cache(self):
+        self.log.append("sglang.flush_cache")
+
+    def shutdown(self):
+        self.log.append("sglang.shutdown")
+
+
+def _job():
+    return job_from_dict({
+        "name": "colo", "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                                  "intermediate_size": 64, "max_position_embeddings": 64},
+        "rollout": {"engine": "sglang", "n_samples": 2, "max_new_tokens": 4,
+                    "options": {"weight_bucket_mb": 1}},
+        "trainer": {"micro_batch_size": 4}, "resources": {"colocate": True}}, file="job.toml")
+
+
+def _score(samples):
+    for i, s in enumerate(samples):
+        s.reward = float(i % 2)
+
+
+def _build(log):
+    from milehpc.train.torch_trainer import TorchTrainer
+
+    job = _job()
+    opts = sm.parse_options(job.rollout.options)
+    saver = RecordingMemorySaverStandIn(log)
+    engine = SGLangEngine(job, {"model_path": "/m", "tp_size": 1, "enable_memory_saver": True}, opts,
+                          colocated=True, engine_factory=lambda **kw: RecordingSGLangEngineStandIn(log, **kw))
+    tokenizer = build_tokenizer("toy")
+    colo = ColocatedStep(engine, None, saver, memory_probe=lambda: 0)
+    with colo.train_region():  # the trainer's parameters are allocated inside the pausable region
+        colo.trainer = TorchTrainer(job, tokenizer)
+    return job, engine, colo
+
+
+def test_colocated_step_follows_miles_order_with_recording_standins():
+    log: list[str] = []
+    job, engine, colo = _build(log)
+    assert log == ["saver.region(train,cpu_backup=True)"]
+    log.clear()
+    colo.initial_sync(version=0)
+    # Miles: "always update weight first" (the engine started with random weights), trainer paused before.
+    assert log[0] == "saver.pause(train)" and log[-1] == "sglang.flush_cache"
+    assert set(log[1:-1]) == {"sglang.update_weights_from_tensor"}
+    log.clear()
+    sp = SamplingParams(max_new_tokens=4, n=2)
+    samples, metrics = colo.step([[3, 4, 5], [6, 7]], sp, step=0, version=1, score=_score)
+    assert len(samples) == 4 and {s.weight_version for s in samples} == {0}
+    # First step: the trainer was paused by the initial sync, so it is resumed before its region is entered.
+    assert log[0] == "sglang.generate" and log[1] == MILES_ORDER[1]
+    assert log[2] == "saver.resume(train)"
+    compact = [e for i, e in enumerate(log) if e != "saver.resume(train)" and not (
+        e == "sglang.update_weights_from_tensor" and log[i - 1] == e)]
+    assert compact == MILES_ORDER
+    assert colo.report.events == ["generate", "offload_rollout", "onload_train", "train", "offload_train",
+                                  "onload_weights", "update_weights", "onload_kv"]
+    assert engine.weight_version() == 1 and metrics["colocate/update_gb"] > 0
+    # What SGLang received is exactly the trainer's weights after the step (HF names, bit-exact).
+    sent = engine._engine.weights
+    trained = dict(colo.trainer.export_weights())
+    assert set(sent) == set(trained)
+    for name, t in trained.items():
+        assert torch.equal(sent[name], t), name
+    # A second step generates with the new weights' version.
+    log.clear()
+    samples, _ = colo.step([[3, 4, 5]], sp, step=1, version=2, score=_score)
+    assert {s.weight_version for s in samples} == {1}
+
+
+def test_multiple_buckets_and_one_flush():
+    log: list[str] = []
+    _, engine, colo = _build(log)
+    big = [(f"w{i}", torch.full((300_000,), float(i))) for i in range(5)]  # 1.2 MB each, bucket = 1 MiB
+    engine.update_weights(iter(big), version=7)
+    assert log.count("sglang.update_weights_from_tensor") == 5 and log.count("sglang.flush_cache") == 1
+    assert log[-1] == "sglang.flush_cache" and engine.weight_version() == 7
+    assert engine._last_names == [n for n, _ in big]  # what named_parameters() reads back
+
+
+def test_dead_engine_is_reported_and_restarted_in_place():
+    log: list[str] = []
+    _, engine, _ = _build(log)
+    assert engine.health()
+    engine._on_sigquit(3, None)  # what SGLang's child does on a crash: SIGQUIT to the parent
+    assert not engine.health()
+    with pytest.raises(RuntimeFailure, match="is down"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    engine.restart()
+    assert engine.health() and engine.restarts == 1 and engine.needs_weight_sync
+    assert "sglang.shutdown" in log
+    engine.opts.max_restarts = 1
+    engine._on_sigquit(3, None)
+    with pytest.raises(RuntimeFailure, match="max_restarts"):
+        engine.restart()
+
+
+def test_reloadable_groups_release_and_rebuild_on_gloo():
+    code = textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        from milehpc.runtime.colocate import ReloadableGroups
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1)
+        made = []
+        def make():
+            made.append(1)
+            return dist.new_group([0], backend="gloo")
+        g = ReloadableGroups({"dp": make})
+        t = torch.ones(3); dist.all_reduce(t, group=g.groups["dp"]); assert t.tolist() == [1.0] * 3
+        old = g.groups["dp"]
+        g.release(); assert g.groups == {}
+        g.restore(); assert g.groups["dp"] is not old and len(made) == 2
+        t = torch.ones(2); dist.all_reduce(t, group=g.groups["dp"]); assert t.tolist() == [1.0, 1.0]
+        dist.destroy_process_group(); print("ok")
+    """)
+    from milehpc.rollout.sglang_sync import free_port
+
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr
