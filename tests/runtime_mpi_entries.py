@@ -64,6 +64,18 @@ class DictEngine:
 
 
 def groups(ctx: Any) -> None:
+    _write(ctx, _groups(ctx))
+
+
+def sync(ctx: Any) -> None:
+    _write(ctx, _sync(ctx))
+
+
+def groups_and_sync(ctx: Any) -> None:
+    _write(ctx, _groups(ctx) | _sync(ctx))
+
+
+def _groups(ctx: Any) -> dict[str, Any]:
     """Report the split and the groups, and prove the torch groups work (all-reduce / broadcast)."""
     import torch
     import torch.distributed as dist
@@ -85,14 +97,12 @@ def groups(ctx: Any) -> None:
         group.wait(group.broadcast(t), f"test broadcast stage {stage}")
         got[str(stage)] = t.item()
     data["sync_bcast"] = got
-    _write(ctx, data)
+    return data
 
 
-def sync(ctx: Any) -> None:
+def _sync(ctx: Any) -> dict[str, Any]:
     """Bucketed sync of model_tensors() to every rollout rank, bit-exact; then check_weight_update_equal, clean and
     with one corrupted parameter on the last rank."""
-    import torch
-
     from milehpc.runtime.weights import check_weight_update_equal, compare_named_tensors, sync_weights
 
     comms, plan = ctx.comms, ctx.plan
@@ -130,7 +140,18 @@ def sync(ctx: Any) -> None:
     data["checks"] = checks
     if engine is not None:  # tolerance: the same corruption passes with atol 0.3
         data["tolerant"] = compare_named_tensors(expected, engine.weights, atol=0.3).ok
-    del torch
+    return data
+
+
+def colocated(ctx: Any) -> None:
+    """Colocated: every rank is trainer and rollout; weights go into the engine in place, no broadcast."""
+    from milehpc.runtime.weights import compare_named_tensors, sync_weights
+
+    data = _groups(ctx)
+    engine = DictEngine()
+    tensors = model_tensors(layers=3)
+    sync_weights(ctx.comms, 5, named_tensors=tensors, engine=engine)
+    data |= {"bit_exact": compare_named_tensors(tensors, engine.weights).ok, "version": engine.version}
     _write(ctx, data)
 
 
@@ -148,6 +169,17 @@ def die(ctx: Any) -> None:
         sync_weights(comms, 1, named_tensors=model_tensors(layers=2), engine=engine)
     comms.barrier(what="after the weight sync")
     time.sleep(600)  # never reached when the runtime works
+
+
+def hang(ctx: Any) -> None:
+    """Rank 2 is frozen (SIGSTOP): alive to the OS, silent to everyone; only the heartbeat can tell."""
+    comms = ctx.comms
+    _write(ctx, {"rank": comms.rank, "pid": os.getpid(), "started": time.time()})
+    if comms.rank == 2:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    comms.barrier(what="waiting for the frozen rank")
+    time.sleep(600)
 
 
 def stuck(ctx: Any) -> None:

@@ -118,3 +118,16 @@ def test_batch_is_a_dataclass_with_len():
     assert isinstance(b, Batch) and len(b) == 3
     with pytest.raises(ValueError):
         to_batch([], PAD)
+
+
+def test_routed_experts_for_moe_routing_replay_roundtrip():
+    a = Sample([1], [2, 3], routed_experts=[[[0, 1], [2, 3]], [[1, 0], [3, 2]]])  # 2 tokens, 2 layers, top-2
+    b = Sample([1, 2], [4], routed_experts=[[[5, 6], [7, 0]]])
+    batch = to_batch([a, b], PAD)
+    assert batch.routed_experts.shape == (2, 2, 2, 2)
+    assert batch.routed_experts[1, 1].tolist() == [[-1, -1], [-1, -1]]  # padding
+    back = from_batch(batch)
+    assert back[0].routed_experts == a.routed_experts and back[1].routed_experts == b.routed_experts
+    assert to_batch([Sample([1], [2])], PAD).routed_experts is None
+    with pytest.raises(ValueError, match="routed_experts"):
+        to_batch([Sample([1], [2, 3], routed_experts=[[[0, 1]]])], PAD)

@@ -78,7 +78,7 @@ class RecordingSGLangEngineStandIn:
             lps = (-torch.rand(n, generator=self.gen)).tolist()
             outs.append({"output_ids": toks, "meta_info": {
                 "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(ids),
-                "completion_tokens": n, "output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, toks)]}})
+                "completion_tokens": n, "output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, toks, strict=True)]}})
         return outs
 
     def release_memory_occupation(self, tags=None):
@@ -216,3 +216,56 @@ def test_reloadable_groups_release_and_rebuild_on_gloo():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr
+
+
+def test_factory_writes_the_random_model_config_and_sglang_arguments(tmp_path):
+    """from_context with a plan and run dir (no MPI needed for a 1-GPU engine); the sglang.Engine is a stand-in."""
+    import json
+    import types
+
+    from milehpc.config.site import Launcher, Partition
+    from milehpc.plan import make_plan
+    from milehpc.rollout.sglang_engine import from_context
+
+    job = job_from_dict({"name": "f", "model": {"num_experts": 4, "moe_top_k": 2, "hidden_size": 32,
+                                                "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 32},
+                         "rollout": {"engine": "sglang", "engines": 1},
+                         "trainer": {"precision": "bf16"}}, file="job.toml")
+    plan = make_plan(job, Partition(scheduler="local", launcher=Launcher(kind="mpirun"), cpus_per_node=4),
+                     site="local", partition_name="local")
+    ctx = types.SimpleNamespace(job=job, plan=plan, comms=types.SimpleNamespace(rank=plan.engine_leaders()[0]),
+                                run_dir=tmp_path)
+    log: list[str] = []
+    engine = from_context(ctx, engine_factory=lambda **kw: RecordingSGLangEngineStandIn(log, **kw))
+    args = engine._engine.server_args
+    config = json.loads((tmp_path / "sglang-model" / "config.json").read_text())
+    assert args["model_path"] == str(tmp_path / "sglang-model") and args["load_format"] == "dummy"
+    assert config["num_experts"] == 4 and config["hidden_size"] == 32 and config["eos_token_id"] == 2
+    assert args["dtype"] == "bfloat16" and args["enable_return_routed_experts"] is True
+    assert args["skip_tokenizer_init"] is True and callable(args["custom_sigquit_handler"])
+    assert engine.needs_weight_sync and engine.moe_shape == (2, 2) and engine.is_leader
+
+
+def test_health_watches_the_engines_child_processes():
+    """A child process the engine started (SGLang's scheduler/detokenizer) dying makes health() False."""
+    import subprocess as sp
+
+    log: list[str] = []
+    children: list[sp.Popen] = []
+
+    def factory(**kw):
+        children.append(sp.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return RecordingSGLangEngineStandIn(log, **kw)
+
+    job = _job()
+    engine = SGLangEngine(job, {"model_path": "/m"}, sm.parse_options({}), engine_factory=factory)
+    try:
+        assert engine.health() and children[0].pid in engine._pids
+        children[0].kill()
+        children[0].wait()
+        assert not engine.health() and "exited" in engine._dead_reason
+        engine.restart()
+        assert engine.health() and children[1].pid in engine._pids
+    finally:
+        for c in children:
+            c.kill()

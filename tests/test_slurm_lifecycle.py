@@ -24,8 +24,10 @@ def slurm() -> str:
 
 
 @pytest.fixture
-def cli(tmp_path: Path, slurm: str) -> harness.Cli:
-    return harness.Cli(tmp_path)
+def cli(tmp_path: Path, slurm: str):
+    client = harness.Cli(tmp_path)
+    yield client
+    client.cleanup()
 
 
 def test_submit_runs_to_completion_with_expected_output(cli, tmp_path):

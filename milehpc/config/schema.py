@@ -7,7 +7,9 @@ field, what was expected and what was got.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import re
 import types
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -156,8 +158,8 @@ def opt(default: Any = dataclasses.MISSING, *, help: str = "", **meta: Any) -> A
     """A field with a help text and constraints (``min``, ``max``, ``pattern``, ``expect``)."""
     meta["help"] = help
     if isinstance(default, list | dict):
-        factory = (lambda d=default: type(d)(d))
-        return dataclasses.field(default_factory=factory, metadata=meta)
+        # Each instance gets its own copy of a mutable default.
+        return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
     if isinstance(default, type) and dataclasses.is_dataclass(default):
         return dataclasses.field(default_factory=default, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

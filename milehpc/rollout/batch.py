@@ -53,6 +53,9 @@ class Batch:
     token_rewards: torch.Tensor | None = None
     # [B] bool: FAILED samples (engine or reward); they train on nothing and join no group statistics.
     failed: torch.Tensor | None = None
+    # [B, R, layers, top_k] long, -1 on padding: the experts the engine routed each response token to
+    # (MoE routing replay); None when no sample carries them.
+    routed_experts: torch.Tensor | None = None
     samples: list[Sample] | None = field(default=None, repr=False)
 
     @property
@@ -176,6 +179,7 @@ def to_batch(samples: Sequence[Sample], pad_id: int, *, prompt_width: int | None
                 raise ValueError(f"sample {s.index}: {len(s.rollout_logprobs)} rollout logprobs for {r} tokens")
             rollout_logprobs[i, :r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    routed = _routed_experts(samples, r_width)
     rewards = torch.tensor([0.0 if s.status is Status.FAILED else s.scalar_reward for s in samples],
                            dtype=torch.float32)
     return Batch(
@@ -185,8 +189,29 @@ def to_batch(samples: Sequence[Sample], pad_id: int, *, prompt_width: int | None
         prompt_lengths=torch.tensor(p_lens, dtype=torch.long),
         response_lengths=torch.tensor(r_lens, dtype=torch.long),
         prompt_width=p_width, pad_id=pad_id,
-        failed=torch.tensor([s.status is Status.FAILED for s in samples], dtype=torch.bool), samples=list(samples),
+        failed=torch.tensor([s.status is Status.FAILED for s in samples], dtype=torch.bool),
+        routed_experts=routed, samples=list(samples),
     )
+
+
+def _routed_experts(samples: Sequence[Sample], r_width: int) -> torch.Tensor | None:
+    import torch
+
+    shapes = {(len(s.routed_experts[0]), len(s.routed_experts[0][0]))
+              for s in samples if s.routed_experts and s.routed_experts[0]}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"to_batch: routed_experts of different shapes (layers, top_k): {sorted(shapes)}")
+    (layers, top_k), = shapes
+    out = torch.full((len(samples), r_width, layers, top_k), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        if s.routed_experts:
+            if len(s.routed_experts) != len(s.response_ids):
+                raise ValueError(f"sample {s.index}: routed_experts has {len(s.routed_experts)} entries for "
+                                 f"{len(s.response_ids)} response tokens")
+            out[i, : len(s.routed_experts)] = torch.tensor(s.routed_experts, dtype=torch.long)
+    return out
 
 
 def from_batch(batch: Batch) -> list[Sample]:
@@ -204,12 +229,14 @@ def from_batch(batch: Batch) -> list[Sample]:
         loss_mask = [int(v) for v in mask[i, :r].tolist()]
         if base is not None and base.status is Status.FAILED:
             loss_mask = list(base.loss_mask)
-        tokens = dict(
+        tokens: dict[str, Any] = dict(
             prompt_ids=ids[i, p_width - p : p_width].tolist(),
             response_ids=ids[i, p_width : p_width + r].tolist(),
             rollout_logprobs=logprobs[i, :r].tolist() if logprobs is not None else [],
             loss_mask=loss_mask,
         )
+        if batch.routed_experts is not None and (base is None or base.routed_experts):
+            tokens["routed_experts"] = batch.routed_experts[i, :r].tolist()
         if base is not None:
             out.append(replace(base, **tokens))
         else:

@@ -81,7 +81,7 @@ class ReferenceEngine:
 
     def _decode(self, contexts: list[list[int]], sp: SamplingParams) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         import torch
-        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicCache
 
         B, L = len(contexts), max(map(len, contexts))
         ids = torch.full((B, L), self.pad_id, dtype=torch.long)

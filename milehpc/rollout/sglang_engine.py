@@ -107,8 +107,11 @@ def model_folder(ctx: Any, vocab_size: int, pad_id: int, eos_id: int) -> tuple[s
 class SGLangEngine:
     """One rank's share of an SGLang engine. Only the leader (``engine_rank == 0``) generates and updates."""
 
-    #: The loop's cue: weight bytes go trainer → SGLang schedulers directly (NCCL), not through this rank.
-    receives_weights_directly = True
+    @property
+    def receives_weights_directly(self) -> bool:
+        """The loop's cue: weight bytes go trainer → SGLang schedulers directly (NCCL), not through this rank, so
+        use :func:`milehpc.rollout.sglang_sync.sync_weights`. Colocated engines take tensors (``update_weights``)."""
+        return not self.colocated
 
     def __init__(self, job: Any, server_args: dict[str, Any], opts: sm.SGLangOptions, *, engine: int = 0,
                  engine_rank: int = 0, eos_id: int | None = None, moe_shape: tuple[int, int] | None = None,
@@ -214,7 +217,8 @@ class SGLangEngine:
             from dataclasses import replace
 
             sampling = replace(sampling, stop_token_ids=[*sampling.stop_token_ids, self.eos_id])
-        requests = sm.build_requests(prompts, sampling, samples)
+        requests = sm.build_requests(prompts, sampling, samples,
+                                     seeded=bool(self.server_args.get("enable_deterministic_inference")))
         if not requests:
             return []
         kwargs = sm.generate_kwargs(requests, return_routed_experts=self.moe_shape is not None)
@@ -363,8 +367,8 @@ def engine_layout(ctx: Any) -> sm.EngineLayout:
                            dist_init_addr=addr, port=port)
 
 
-def from_context(ctx: Any) -> SGLangEngine:
-    """Engine factory (``impl(ctx)``) for ``rollout.engine = "sglang"``."""
+def from_context(ctx: Any, *, engine_factory: Any = None) -> SGLangEngine:
+    """Engine factory (``impl(ctx)``) for ``rollout.engine = "sglang"`` (``engine_factory``: tests' stand-in)."""
     from milehpc.config.precision import resolve_precision
     from milehpc.data.tokenizer import build_tokenizer
 
@@ -381,7 +385,7 @@ def from_context(ctx: Any) -> SGLangEngine:
     args = sm.server_args(job, opts, precision, layout, model_path=path, tokenizer_path=tok_path)
     if random_init:
         args["load_format"] = "dummy"
-    if opts.server_args:
+    if opts.server_args and engine_factory is None:
         import dataclasses
 
         from sglang.srt.server_args import ServerArgs
@@ -393,4 +397,4 @@ def from_context(ctx: Any) -> SGLangEngine:
     moe = (job.model.num_layers, job.model.moe_top_k) if job.model.num_experts else None
     return SGLangEngine(job, args, opts, engine=layout.engine, engine_rank=layout.engine_rank,
                         eos_id=int(tokenizer.eos_id), moe_shape=moe, colocated=job.resources.colocate,
-                        version=-1 if random_init else 0)
+                        version=-1 if random_init else 0, engine_factory=engine_factory)

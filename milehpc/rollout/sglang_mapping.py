@@ -248,9 +248,17 @@ def sampling_params(sp: SamplingParams, *, max_new_tokens: int | None = None, se
 
 
 def build_requests(prompts: Sequence[Sequence[int]], sp: SamplingParams,
-                   samples: Sequence[Sample] | None = None, *, first_index: int = 0) -> list[Request]:
-    """``sp.n`` requests per prompt (grouped, in prompt order), or one request per unfinished sample to continue."""
+                   samples: Sequence[Sample] | None = None, *, first_index: int = 0,
+                   seeded: bool = True) -> list[Request]:
+    """``sp.n`` requests per prompt (grouped, in prompt order), or one request per unfinished sample to continue.
+
+    ``seeded``: pass per-sample ``sampling_seed`` (SGLang honours it with ``enable_deterministic_inference``, as
+    slime uses it); otherwise the engine's ``random_seed`` governs sampling."""
     requests: list[Request] = []
+    if not seeded:
+        from dataclasses import replace
+
+        sp = replace(sp, seed=None)
     if samples:
         for s in samples:
             left = sp.max_new_tokens - len(s.response_ids)

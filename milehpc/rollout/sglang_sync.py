@@ -143,34 +143,42 @@ def engine_receive(comms: Comms, engine: Any, sources: list[int], leaders: list[
     return version
 
 
-def sync_weights(comms: Comms, *, trainer: Any = None, engine: Any = None, version: int, run_id: str,
-                 bucket_bytes: int, senders: dict[int, StageSender]) -> dict[str, float]:
-    """Run on every rank at a sync point (separate-ranks layouts with ``rollout.engine = "sglang"``).
+_SENDERS: dict[int, dict[int, StageSender]] = {}  # per Comms object: this rank's stage senders between syncs
 
-    Stage leaders send, engine leaders receive, every other rank returns at once. ``senders`` is this rank's
-    per-stage state kept by the caller between syncs (empty dict at first).
+
+def sync_weights(comms: Comms, version: int, *, named_tensors: Any = None, engine: Any = None,
+                 bucket_bytes: int = 512 << 20, converter: Any = None, timeout: float | None = None,
+                 run_id: str = "milehpc") -> dict[str, float]:
+    """Drop-in for :func:`milehpc.runtime.weights.sync_weights` when the engine is SGLang on separate ranks
+    (``engine.receives_weights_directly``): call on every rank. Stage leaders send ``named_tensors`` (their stage's
+    HF-named weights; a callable gets the stage), engine leaders have SGLang receive them, other ranks return.
+    ``converter`` maps trainer names/layouts to HF ones (as in the runtime's sync); ``timeout`` is the comms'.
     """
     import time
 
     plan = comms.plan
-    groups = plan.weight_sync_groups()
-    sources = [g["source"] for g in groups]
+    sources = [g["source"] for g in plan.weight_sync_groups()]
     leaders = plan.engine_leaders()
-    world = 1 + plan.rollout_ranks
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
     if comms.rank in sources:
         stage = sources.index(comms.rank)
-        members = [comms.rank, *leaders]
-        flags = comms.gather(None, comms.rank, members, what=f"engine group check (stage {stage})")
+        flags = comms.gather(None, comms.rank, [comms.rank, *leaders], what=f"engine group check (stage {stage})")
+        senders = _SENDERS.setdefault(id(comms), {})
         sender = senders.get(stage)
         if sender is None or sender.pg is None or any(flags[1:]):
-            sender = senders[stage] = StageSender(comms, stage, leaders, world, comms.backend)
+            sender = sender or StageSender(comms, stage, leaders, 1 + plan.rollout_ranks, comms.backend)
+            senders[stage] = sender
             sender.setup(run_id)
-        nbytes = sender.send(trainer.export_weights(), version, bucket_bytes)
+        tensors = named_tensors(stage) if callable(named_tensors) else named_tensors
+        if tensors is None:
+            raise ValueError(f"rank {comms.rank} leads stage {stage}: it needs named_tensors")
+        nbytes = sender.send(converter(tensors) if converter else tensors, version, bucket_bytes)
         dt = time.perf_counter() - t0
         metrics.update({"time/weight_sync": dt, "sync/bytes": float(nbytes), "sync/gbps": nbytes / max(dt, 1e-9) / 1e9})
     elif comms.rank in leaders:
+        if engine is None:
+            raise ValueError(f"rank {comms.rank} leads an engine: it needs the engine")
         need = engine.needs_weight_sync or not engine.update_groups
         for stage, source in enumerate(sources):
             comms.gather(need, source, [source, *leaders], what=f"engine group check (stage {stage})")

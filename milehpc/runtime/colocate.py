@@ -201,8 +201,13 @@ class ColocatedStep:
         before = self.memory_probe()
 
         def run() -> None:
+            import torch
+
             if self.groups is not None:
                 self.groups.release()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()  # cached free blocks would otherwise be backed up to CPU too
             self.saver.pause(TRAIN_TAG)
 
         self._timed("offload_train", run)
@@ -222,11 +227,12 @@ class ColocatedStep:
         self.report.update_bytes = 0
 
         def run() -> None:
-            self.engine.update_weights(self._upload(), version)
             import torch
 
+            self.engine.update_weights(self._upload(), version)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+                torch.cuda.empty_cache()  # the upload buffers: give them back before the KV cache returns
 
         self._timed("update_weights", run)
 

@@ -28,7 +28,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from milehpc.errors import RuntimeFailure
-from milehpc.runtime.watchdog import Peer, Watchdog, this_peer
+from milehpc.runtime.watchdog import Peer, Watchdog, failed_ranks, this_peer
 
 if TYPE_CHECKING:
     import torch
@@ -198,7 +198,16 @@ class Comms:
         """Wait until ``done()`` with a deadline, ending early if any rank failed."""
         deadline = time.monotonic() + timeout
         delay = 1e-4
-        while not done():
+        while True:
+            try:
+                if done():
+                    return
+            except Exception as err:  # noqa: BLE001 - with ULFM, MPI raises when a peer is gone
+                dead = failed_ranks(self.ctrl)
+                if dead:
+                    raise self.fail(f"{_ranks_text(sorted(dead))} gone (MPI reports the process failed)",
+                                    sorted(dead)) from None
+                raise self.explain(err, on_timeout().split(":")[0]) from None
             self.check()
             if time.monotonic() > deadline:
                 raise self.fail(on_timeout(), culprits())
@@ -317,6 +326,10 @@ def bootstrap(plan: Plan, job: JobSpec, *, run_id: str | None = None, master_add
     early = Comms(world=world, rank=rank, size=size, plan=plan, ctrl=world, watchdog=starter, peers=[],
                   timeout=timeout)
     peers = early.allgather(this_peer(rank), what="start-up (waiting for every rank to start)")
+    # Import torch before the watchdog starts: loading its C extension holds the GIL for seconds, which would
+    # silence this rank's heartbeat and make its neighbour think it is gone.
+    import torch.distributed  # noqa: F401
+
     ctrl, hb = world.Dup(), world.Dup()
     dog = Watchdog(hb, peers, dead_after=heartbeat_timeout)
     dog.start()

@@ -132,6 +132,7 @@ def _fail(comms: Any, rank: int, message: str, code: int) -> None:
         _end(code, message if rank == 0 else None, rank)
         return
     dog.declare(message if message.startswith(f"rank {rank}") else f"rank {rank} failed: {message}")
+    dog.flush()
     _end(code, message, rank)
 
 

@@ -347,6 +347,7 @@ class TrainerSide:
             self.metrics = MetricsLogger(run_dir, job.run.steps, progress=progress)
         self.started = time.time()
         self.history: list[dict[str, float]] = []
+        self.static: dict[str, float] = {}  # logged with the first step (world layout facts)
 
     # -- SFT warm-up --
     def sft_batches(self) -> Any:
@@ -416,6 +417,8 @@ class TrainerSide:
         if metrics.get("time/step"):
             metrics["perf/tokens_per_s"] = (tokens + metrics.get("rollout/gen_tokens", 0.0)) / metrics["time/step"]
         metrics["time/elapsed"] = time.time() - self.started
+        if not self.history:
+            metrics.update(self.static)
         self.history.append({"step": step, **metrics})
         if self.metrics is not None:
             self.metrics.log(step, metrics)
@@ -507,6 +510,17 @@ def run_local(job: JobSpec, run_dir: str | Path | None = None, *, progress: bool
     finally:
         side.close()
     return side.history
+
+
+def _world_facts(comms: Any) -> dict[str, float]:
+    """What the run really ran on: the MPI world and the torch.distributed (trainer) world."""
+    import torch.distributed as dist
+
+    facts = {"dist/mpi_world_size": float(comms.world.Get_size()),
+             "dist/rollout_ranks": float(comms.plan.rollout_ranks)}
+    if dist.is_available() and dist.is_initialized():
+        facts["dist/trainer_world_size"] = float(dist.get_world_size())
+    return facts
 
 
 # ---- MPI: separate trainer and rollout groups -------------------------------------------------------------
@@ -632,6 +646,7 @@ def _trainer_main(ctx: Any, job: JobSpec, trainer: Any, *, progress: bool) -> li
     rollout_ranks = list(plan.rollout_group())
     trainers = list(plan.trainer_group())
     collective_export = bool(getattr(trainer, "export_is_collective", False))
+    side.static = _world_facts(comms)
     pending: list[Any] = []
     checkpoint_hook = getattr(ctx, "checkpoint_hook", None)
 
@@ -725,6 +740,7 @@ def _colocated_main(ctx: Any, job: JobSpec, engine: Any, trainer: Any, *, progre
     side = TrainerSide(job, trainer, run_dir=ctx.run_dir, rank=comms.rank, dp_rank=dp, dp_size=plan.dp,
                        leader=leader, file=str(ctx.run_dir / "job.toml"), progress=progress)
     everyone = list(range(plan.world_size))
+    side.static = _world_facts(comms)
     try:
         if getattr(ctx, "checkpointing", None) is not None:
             ctx.checkpointing.restore(trainer=side, rollout=rollout)

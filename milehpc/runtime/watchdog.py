@@ -105,6 +105,16 @@ class Watchdog:
                     self._sent.append(self.comm.isend(message, dest, TAG_NOTICE))  # keep the buffer alive
         return True
 
+    def flush(self, timeout: float = 1.0) -> None:
+        """Give the notices sent so far a moment to leave before the process ends."""
+        deadline = time.monotonic() + timeout
+        while self._sent and time.monotonic() < deadline:
+            try:
+                self._sent = [r for r in self._sent if not r.Test()]
+            except Exception:  # noqa: BLE001 - a dead destination: nothing more to do
+                return
+            time.sleep(0.01)
+
     # ---- the thread -------------------------------------------------------
     def _run(self) -> None:
         from mpi4py import MPI
@@ -142,10 +152,11 @@ class Watchdog:
                     self.declare(f"rank {pred} (on {host}) stopped responding: no heartbeat for "
                                  f"{now - last_seen:.0f} s (dead, hung, or its node is gone)", {pred})
             except MPI.Exception as err:  # with ULFM, talking to a dead rank raises instead of hanging
-                dead = _failed_ranks(self.comm)
+                dead = failed_ranks(self.comm)
                 if dead:
                     names = ", ".join(str(r) for r in sorted(dead))
-                    self.declare(f"rank {names} is gone (MPI reports the process failed)", dead)
+                    self.declare(f"rank{'s' if len(dead) > 1 else ''} {names} gone (MPI reports the process failed)",
+                                 dead)
                 else:
                     self.declare(f"MPI error in the liveness checks: {err}")
             if self.failure is not None:
@@ -156,7 +167,7 @@ class Watchdog:
             self._stop.wait(self.interval)
 
 
-def _failed_ranks(comm: Any) -> set[int]:
+def failed_ranks(comm: Any) -> set[int]:
     try:
         from mpi4py import MPI
 
@@ -170,7 +181,7 @@ def _failed_ranks(comm: Any) -> set[int]:
 
 
 def report(rank: int, message: str) -> None:
-    print(f"milehpc: rank {rank}: {message}", file=sys.stderr, flush=True)
+    print(f"milehpc: error: rank {rank}: {message}", file=sys.stderr, flush=True)
 
 
 def default_on_failure(dog: Watchdog) -> None:

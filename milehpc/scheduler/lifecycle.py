@@ -177,6 +177,8 @@ def log_path(job_id: str, rank: int | None = None) -> Path:
         check_job_id(job_id)
     rec = find_record(job_id)
     rdir = run_dir_of(job_id, rec)
+    if rdir is None and not _is_local(job_id):
+        rdir = _run_dir_from_slurm(job_id)
     if rank is not None:
         if rdir is None:
             raise SchedulerError(f"job {job_id} is not in this user's milehpc records, so its run directory (and "
@@ -220,6 +222,20 @@ def log_path(job_id: str, rank: int | None = None) -> Path:
     if candidates:
         return candidates[0]  # not written yet (pending job): -f waits for it
     raise SchedulerError(f"no log known for job {job_id}", field="JOBID")
+
+
+def _run_dir_from_slurm(job_id: str) -> Path | None:
+    """A job submitted elsewhere (another machine's record): its script is RUN_DIR/job.sbatch."""
+    from milehpc.scheduler.slurm import show_job
+
+    try:
+        rec = show_job(job_id)
+    except SchedulerError:
+        return None
+    command = Path((rec or {}).get("Command", ""))
+    if command.name == "job.sbatch" and (command.parent / "plan.json").exists():
+        return command.parent
+    return None
 
 
 def _rank_filter(rank: int) -> Callable[[str], bool]:

@@ -21,9 +21,29 @@ def torch_dtype(name: str) -> torch.dtype:
             "float16": torch.float16}[name]
 
 
+# (config class, causal LM class, token-classification class) per family. Importing the model modules directly
+# skips transformers' lazy top-level namespace, whose first touch scans every model it ships (seconds).
+_FAMILIES = {
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2Config", "Qwen2ForCausalLM",
+              "Qwen2ForTokenClassification"),
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaConfig", "LlamaForCausalLM",
+              "LlamaForTokenClassification"),
+    "qwen2_moe": ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  "Qwen2MoeForTokenClassification"),
+}
+
+
+def _family(name: str) -> tuple[Any, Any, Any]:
+    import importlib
+
+    module, *names = _FAMILIES[name]
+    mod = importlib.import_module(module)
+    config_mod = importlib.import_module(module.replace("modeling_", "configuration_"))
+    return getattr(config_mod, names[0]), getattr(mod, names[1]), getattr(mod, names[2])
+
+
 def hf_config(spec: ModelSpec, vocab_size: int, *, pad_id: int = 0, eos_id: int = 2) -> Any:
     """The HF config for ``spec`` (Qwen2 or Llama shapes; MoE via Qwen2-MoE when ``num_experts > 0``)."""
-    import transformers as tf
 
     common = dict(
         vocab_size=spec.vocab_size or vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
@@ -38,11 +58,10 @@ def hf_config(spec: ModelSpec, vocab_size: int, *, pad_id: int = 0, eos_id: int 
     if spec.num_experts > 0:
         if spec.arch != "qwen2":
             raise ConfigError("expected arch = 'qwen2' for a mixture of experts", field="model.arch")
-        return tf.Qwen2MoeConfig(**common, num_experts=spec.num_experts, num_experts_per_tok=spec.moe_top_k,
-                                 moe_intermediate_size=spec.intermediate_size,
-                                 shared_expert_intermediate_size=spec.intermediate_size)
-    cls = {"qwen2": tf.Qwen2Config, "llama": tf.LlamaConfig}[spec.arch]
-    return cls(**common)
+        return _family("qwen2_moe")[0](**common, num_experts=spec.num_experts, num_experts_per_tok=spec.moe_top_k,
+                                       moe_intermediate_size=spec.intermediate_size,
+                                       shared_expert_intermediate_size=spec.intermediate_size)
+    return _family(spec.arch)[0](**common)
 
 
 def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int = 0, eos_id: int = 2,
@@ -52,10 +71,11 @@ def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int 
     Random init is seeded so every rank that builds the model gets identical weights.
     """
     import torch
-    import transformers as tf
 
     dtype = torch_dtype(spec.dtype)
     if spec.path:
+        import transformers as tf
+
         path = Path(spec.path)
         if not path.is_dir():
             raise ConfigError(f"expected a local HF checkpoint folder, got {spec.path!r}", field="model.path")
@@ -66,13 +86,14 @@ def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int 
             model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         return model
     config = hf_config(spec, vocab_size, pad_id=pad_id, eos_id=eos_id)
+    _, causal_lm, token_cls = _family("qwen2_moe" if spec.num_experts > 0 else spec.arch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if value_head:
             config.num_labels = 1
-            model = tf.AutoModelForTokenClassification.from_config(config)
+            model = token_cls(config)
         else:
-            model = tf.AutoModelForCausalLM.from_config(config)
+            model = causal_lm(config)
     return model.to(dtype)
 
 

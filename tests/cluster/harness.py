@@ -72,6 +72,7 @@ class Cli:
     def __init__(self, tmp: Path) -> None:
         self.env = {**os.environ, "SLURM_CONF": SLURM_CONF, "MILEHPC_STATE_DIR": str(tmp / "state"),
                     "MILEHPC_PYTHON": str(python_standin(tmp)), "OMP_NUM_THREADS": "1"}
+        self.submitted: list[str] = []
 
     def __call__(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run([sys.executable, "-m", "milehpc", *args], capture_output=True, text=True,
@@ -82,7 +83,14 @@ class Cli:
 
     def submit(self, job: Path, run_dir: Path, *args: str) -> dict[str, Any]:
         out = self("submit", str(job), "--site", "local-slurm", "--run-dir", str(run_dir), "--json", *args)
-        return json.loads(out.stdout)
+        res = json.loads(out.stdout)
+        self.submitted.append(res["job_id"])
+        return res
+
+    def cleanup(self) -> None:
+        """Cancel what a failed test left running (scancel of an ended job is harmless)."""
+        for job_id in self.submitted:
+            subprocess.run(["scancel", job_id], capture_output=True, env=self.env, timeout=30)
 
     def status(self, *ids: str) -> list[dict[str, Any]]:
         return json.loads(self("status", "--json", *ids).stdout)

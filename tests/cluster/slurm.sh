@@ -107,6 +107,8 @@ MinJobAge=3600
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# Heterogeneous jobs are started by the backfill pass only: run it every second, not every 30 s.
+SchedulerParameters=bf_interval=1
 GresTypes=gpu
 JobRequeue=1
 MpiDefault=pmix
@@ -210,8 +212,10 @@ cmd_start() {
     for ((i = 0; i < GPUS; i++)); do ln -sfn /dev/null "$DIR/dev/nvidia$i"; done
     start_munge
     start_daemon slurmctld "$DIR/run/slurmctld.pid" slurmctld -f "$CONF"
+    mkdir -p "$DIR/state/slurmd-$NODE"
     start_daemon slurmd "$DIR/run/slurmd-$NODE.pid" slurmd -f "$CONF" -N "$NODE"
     if [ $second -eq 1 ]; then
+        mkdir -p "$DIR/state/slurmd-$NODE2"
         start_daemon slurmd "$DIR/run/slurmd-$NODE2.pid" slurmd -f "$CONF" -N "$NODE2"
     fi
     if [ "$ETC_LINK" = 1 ] && [ ! -e /etc/slurm/slurm.conf ] && [ ! -L /etc/slurm/slurm.conf ]; then

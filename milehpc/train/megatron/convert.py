@@ -258,25 +258,14 @@ def rename_layers(named: Iterable[tuple[str, torch.Tensor]], layer_offset: int =
 
 
 def local_shard(full: dict[str, torch.Tensor], local_names: Iterable[str], *, tp: int, tp_rank: int,
-                layer_offset: int, expert_offset: int = 0) -> dict[str, torch.Tensor]:
-    """What one rank (its PP stage, EP rank and TP rank) holds of the full Megatron tensors, by local name."""
+                layer_offset: int, expert_offset: int = 0, expert_tp: int = 1) -> dict[str, torch.Tensor]:
+    """What one rank (its PP stage, EP rank and TP rank) holds of the full Megatron tensors, by local name.
+    Routed experts are split over ``expert_tp`` ranks (the trainer keeps them whole: 1)."""
     out = {}
     for local in local_names:
         (global_name, _), = rename_layers([(local, None)], layer_offset, expert_offset)  # type: ignore[list-item]
-        out[local] = tp_split(local, full[global_name], tp)[tp_rank]
+        if ".local_experts." in local:
+            out[local] = tp_split(local, full[global_name], expert_tp)[tp_rank % expert_tp]
+        else:
+            out[local] = tp_split(local, full[global_name], tp)[tp_rank]
     return out
-
-
-def megatron_to_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], *, hf_config: Any = None,
-                   arch: Arch | None = None, moe_layout: str = "transformers", tp: int = 1,
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The "megatron-to-hf" weight converter plugin: full Megatron tensors (global layer indices; with ``tp`` > 1,
-    lists of TP shards are gathered first) -> HF names. Give the model as an HF config or an :class:`Arch`."""
-    from milehpc.train.megatron.model import arch_of
-
-    if arch is None:
-        if hf_config is None:
-            raise ValueError("megatron-to-hf needs the model: hf_config= or arch=")
-        arch = arch_of(hf_config)
-    named = ((n, tp_gather(n, list(t)) if isinstance(t, list | tuple) else t) for n, t in named_tensors)
-    yield from to_hf(named, arch, moe_layout=moe_layout)

@@ -1,0 +1,122 @@
+"""Distributed checkpoints of the Megatron trainer (model + optimizer) with ``megatron.core.dist_checkpointing``.
+
+Every trainer rank writes its own shards into one shared directory; loading builds the sharded state dict of the
+*current* model, so a checkpoint written at one TP/PP/DP layout resumes at another (e.g. TP1 -> TP2): resharding.
+The distributed optimizer is saved ``fully_reshardable``.
+
+Upstream work-arounds (megatron-core 0.16 without TE/Apex: CPU, and GPUs without TE) applied in :func:`load`:
+
+* ``KeyError: 'step'`` / ``assert len(steps) == 1`` loading the distributed optimizer into a fresh one: Adam has
+  no state yet, so we run one zero-gradient, zero-lr step first to create every state tensor (``step`` included),
+  which the loaded values then overwrite.
+* the optimizer state's per-parameter ``step`` tensors come back as one shared tensor: each is replaced by its own
+  copy after loading so later in-place increments stay per-parameter.
+
+milehpc's checkpoint directory: :meth:`MegatronTrainer.state_dict_for_checkpoint` writes ``<checkpoint dir>/
+megatron/v<version>`` here (collectively) when the trainer knows the checkpoint root, and its small per-rank state
+references that directory; the manifest is committed by :class:`milehpc.runtime.checkpoint.Checkpointer` only
+after every rank has written, so a half-written one is never referenced.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from milehpc.train.megatron.trainer import MegatronTrainer
+
+META = {"distrib_optim_sharding_type": "fully_reshardable"}
+PARALLEL_KEYS = ("world_size", "trainer_ranks", "tp", "pp", "dp")
+
+
+def _sharded(trainer: MegatronTrainer, *, loading: bool) -> dict[str, Any]:
+    model_sd = trainer.module.sharded_state_dict()
+    return {
+        "model": model_sd,
+        "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=META),
+    }
+
+
+def save(trainer: MegatronTrainer, directory: str | Path) -> Path:
+    """Collective over the trainer ranks: write model and optimizer shards into ``directory`` (created)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    path = Path(directory)
+    if dist.get_rank() == 0:
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    dist.barrier()
+    state = _sharded(trainer, loading=False)
+    state["meta"] = {"version": trainer.version, "steps": trainer.steps}
+    dist_checkpointing.save(state, str(path), validate_access_integrity=False)
+    dist.barrier()
+    return path
+
+
+def _materialise_optimizer_state(trainer: MegatronTrainer) -> None:
+    """Create Adam's state (exp_avg, exp_avg_sq, step) with a step that changes nothing (grads 0, lr 0)."""
+    groups = trainer.optimizer.param_groups
+    saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in groups]
+    for g in groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    trainer.ddp.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    for p in trainer.ddp.parameters():
+        if getattr(p, "main_grad", None) is not None:
+            p.main_grad.zero_()
+    trainer.optimizer.step()
+    for g, (lr, wd) in zip(groups, saved, strict=True):
+        g["lr"], g["weight_decay"] = lr, wd
+
+
+def _unshare_steps(trainer: MegatronTrainer) -> None:
+    """Give every parameter its own ``step`` tensor (the loaded state shares one)."""
+    import torch
+
+    for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for st in inner.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
+
+
+def load(trainer: MegatronTrainer, directory: str | Path) -> dict[str, Any]:
+    """Collective: load model and optimizer from ``directory`` into ``trainer`` at its current layout."""
+    from megatron.core import dist_checkpointing
+
+    _materialise_optimizer_state(trainer)
+    sharded = _sharded(trainer, loading=True)
+    sharded["meta"] = {"version": 0, "steps": 0}
+    state = dist_checkpointing.load(sharded, str(directory))
+    trainer.module.load_state_dict(state["model"], strict=False)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    _unshare_steps(trainer)
+    meta = state.get("meta") or {}
+    trainer.version, trainer.steps = int(meta.get("version", 0)), int(meta.get("steps", 0))
+    return meta
+
+
+def can_reshard(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """For :class:`milehpc.runtime.checkpoint.Checkpointer`: a Megatron checkpoint resumes at any TP/PP/DP layout
+    of the same model (only the trainer's parallel sizes may differ)."""
+    if saved.get("trainer_backend") != "megatron" or current.get("trainer_backend") != "megatron":
+        return False
+    other = {k for k in set(saved) | set(current) if saved.get(k) != current.get(k)}
+    return other <= set(PARALLEL_KEYS)
+
+
+def prune(root: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` ``v<version>`` directories under ``root`` (rank 0 only)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    dirs = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit()),
+                  key=lambda p: int(p.name[1:]))
+    for p in dirs[:-keep] if keep > 0 else dirs:
+        shutil.rmtree(p, ignore_errors=True)

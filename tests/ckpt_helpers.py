@@ -1,0 +1,109 @@
+"""Shared by the checkpoint tests that run real jobs (tests/test_ckpt_resume_mpi.py, tests/test_ckpt_slurm.py):
+the job, its reward (optionally slowed down so that a wall-time signal lands mid-run), reading final parameters.
+The ranks import this module (PYTHONPATH = tests/) for the reward."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def slow_toy_match(samples: list[Any], partial: float = 1.0) -> list[float]:
+    """The toy tasks' reward with partial credit (rewards differ within a group, so every step trains), after
+    sleeping ``MILEHPC_TEST_REWARD_DELAY`` seconds once per batch: a step then takes about that long, whatever
+    the machine's load, and the parameters do not depend on it."""
+    from milehpc.data.tasks import toy_match
+
+    delay = float(os.environ.get("MILEHPC_TEST_REWARD_DELAY", "0") or 0)
+    if delay:
+        time.sleep(delay)
+    return [toy_match(s, partial) for s in samples]
+
+
+slow_toy_match.reward_kind = "batch"  # type: ignore[attr-defined]
+
+
+def job_toml(steps: int, *, extra: str = "", env: dict[str, str] | None = None) -> str:
+    """1 trainer + 1 rollout rank, sync loop, partial rollouts, KL, cosine LR: every piece of state matters."""
+    env_lines = "\n".join(f'{k} = "{v}"' for k, v in {"PYTHONPATH": str(HERE), **(env or {})}.items())
+    return f"""
+name = "ckpt-job"
+[model]
+hidden_size = 32
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+intermediate_size = 64
+max_position_embeddings = 64
+[data]
+source = "task:sort"
+params = {{ min_len = 3, max_len = 4 }}
+[reward]
+name = "ckpt_helpers:slow_toy_match"
+[rollout]
+prompts_per_step = 4
+n_samples = 4
+max_new_tokens = 6
+partial_rollout = true
+[trainer]
+micro_batch_size = 32
+lr = 1e-3
+lr_schedule = "cosine"
+[algorithm]
+kl_coef = 0.01
+[run]
+steps = {steps}
+loop = "sync"
+seed = 5
+[resources]
+collective_timeout_s = 60
+{extra}
+[env]
+{env_lines}
+"""
+
+
+def prepare_local(tmp: Path, name: str, toml: str) -> Path:
+    """Write a run directory for the local site, as `milehpc submit` does (without starting it)."""
+    from milehpc.render.rundir import prepare, write_run_dir
+
+    job_file = tmp / f"{name}.toml"
+    job_file.write_text(toml)
+    return write_run_dir(prepare(str(job_file), "local", run_dir=str(tmp / name), python=sys.executable))
+
+
+def start_script(run_dir: Path) -> subprocess.Popen[bytes]:
+    """Run the rendered job script (mpirun inside) as a child of this test."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = (run_dir / "logs" / "job.out").open("ab")
+    return subprocess.Popen(["bash", str(run_dir / "job.sbatch")], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=run_dir)
+
+
+def final_state(run_dir: Path, steps: int) -> dict[str, Any]:
+    """Trainer rank 0's model parameters and optimizer state in the run's final checkpoint."""
+    import torch
+
+    from milehpc.runtime.checkpoint import list_checkpoints
+
+    newest = list_checkpoints(run_dir / "checkpoints")[0]
+    assert newest.step == steps, f"the newest checkpoint is step {newest.step}, not the end ({steps})"
+    trainer = torch.load(newest.path / "rank-00000.pt", weights_only=True)["state"]["trainer"]["trainer"]
+    out = dict(trainer["model"])
+    for p, d in trainer["optimizer"]["state"].items():
+        out.update({f"opt.{p}.{k}": v for k, v in d.items() if torch.is_tensor(v)})
+    return out
+
+
+def differences(want: dict[str, Any], got: dict[str, Any]) -> list[str]:
+    import torch
+
+    assert want.keys() == got.keys()
+    return [k for k in want if not torch.equal(want[k], got[k])]
