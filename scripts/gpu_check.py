@@ -66,6 +66,27 @@ def job_spec(args: argparse.Namespace):
         "resources": {"colocate": True}, "run": {"steps": args.steps, "seed": 0}}, file="gpu-check")
 
 
+def ensure_builtin_plugins() -> None:
+    """On a machine where milehpc is on PYTHONPATH but not pip-installed, its entry points are not visible:
+    register the built-ins listed in pyproject.toml by hand (exactly what the entry points would load)."""
+    import importlib
+
+    from milehpc import plugins
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    pm = plugins.get_plugin_manager()
+    if any(name.startswith("builtin-") for name, _ in pm.list_name_plugin()):
+        return
+    entries = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["milehpc"]
+    for name, module in entries.items():
+        if name.startswith("builtin-"):
+            plugins.register(importlib.import_module(module), name=name)
+
+
 def reward(samples) -> None:
     """Fraction of even token ids: cheap, varies within a group, so GRPO advantages are not all zero."""
     for s in samples:
@@ -93,6 +114,7 @@ def main() -> int:
     from milehpc.train.model import hf_config
     from milehpc.train.torch_trainer import TorchTrainer
 
+    ensure_builtin_plugins()
     t_start = time.perf_counter()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device(args.device)
     if device.type == "cuda":
@@ -171,7 +193,9 @@ def main() -> int:
     out["logprob_diff_mean"] = sum(diffs) / len(diffs)
     out["logprob_diff_max"] = max(diffs)
     trained = dict(colo.trainer.export_weights())
-    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+    # Names SGLang keeps unfused (q/k/v and gate/up are stacked into one parameter on its side).
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight",
+             "model.layers.0.input_layernorm.weight", "model.norm.weight"]
     equal = {}
     for name in names:
         got = torch.as_tensor(engine._engine.get_weights_by_name(name, truncate_size=100)).flatten()

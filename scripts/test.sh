@@ -10,6 +10,7 @@ started=0
 if [ -x "$cluster" ] || [ -f "$cluster" ]; then
     if bash "$cluster" start; then
         started=1
+        eval "$(bash "$cluster" env)"
     else
         echo "test.sh: the test Slurm cluster did not start; Slurm tests will say why they skip" >&2
     fi

@@ -27,9 +27,9 @@ def test_char_tokenizer_round_trip_and_specials() -> None:
 
 
 @pytest.mark.parametrize("make, check", [
-    (sort_task, lambda p, l: sorted(p[5:-1]) == list(l)),
-    (reverse_task, lambda p, l: p[4:-1][::-1] == l),
-    (addition_task, lambda p, l: sum(int(x) for x in p[4:-1].split("+")) == int(l)),
+    (sort_task, lambda p, lab: sorted(p[5:-1]) == list(lab)),
+    (reverse_task, lambda p, lab: p[4:-1][::-1] == lab),
+    (addition_task, lambda p, lab: sum(int(x) for x in p[4:-1].split("+")) == int(lab)),
 ])
 def test_tasks_are_deterministic_and_correct(make, check) -> None:
     a, b, c = make(seed=3), make(seed=3), make(seed=4)

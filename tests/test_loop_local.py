@@ -17,7 +17,13 @@ from milehpc.data.tokenizer import CharTokenizer
 from milehpc.rollout.reference import ReferenceEngine
 from milehpc.rollout.sample import Sample, Status
 from milehpc.runtime.loop import (
-    LoopState, RolloutSide, deal_groups, required_version, rollout_metrics, run_local, sync_versions,
+    LoopState,
+    RolloutSide,
+    deal_groups,
+    required_version,
+    rollout_metrics,
+    run_local,
+    sync_versions,
 )
 from milehpc.train.model import build_model
 from milehpc.train.torch_trainer import TorchTrainer, lr_factor
@@ -219,7 +225,7 @@ def test_kl_reference_and_gae_critic_paths_train() -> None:
     assert "train/critic/value_loss" in m1 and m1["critic/grad_norm"] > 0
     after = dict(trainer.export_weights())
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert any(not torch.equal(a, b) for a, b in zip(critic_before, trainer.critic_module.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(critic_before, trainer.critic_module.parameters(), strict=True))
 
 
 def test_trainer_checkpoint_state_round_trip() -> None:
@@ -238,7 +244,7 @@ def test_trainer_checkpoint_state_round_trip() -> None:
     batch = _batch(job, 2)
     ma, mb = a.train_step(batch, 1), b.train_step(batch, 1)
     assert ma["train/loss"] == pytest.approx(mb["train/loss"], abs=1e-7)
-    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.export_weights(), b.export_weights()))
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.export_weights(), b.export_weights(), strict=True))
 
 
 def test_distillation_without_teacher_is_a_clear_error() -> None:
@@ -247,3 +253,13 @@ def test_distillation_without_teacher_is_a_clear_error() -> None:
     job = tiny_job(algorithm={"advantage": "distill"})
     with pytest.raises(ConfigError, match="teacher_path"):
         TorchTrainer(job, CharTokenizer())
+
+
+def test_run_command_rejects_bad_input_in_one_line(tmp_path) -> None:
+    from milehpc.cli import cli
+
+    job = tmp_path / "job.toml"
+    job.write_text('name = "x"\n[trainer]\nlr = "fast"\n')
+    res = CliRunner().invoke(cli, ["run", str(job), "--site", "local", "--run-dir", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "trainer.lr" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "r").exists()

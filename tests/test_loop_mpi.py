@@ -27,8 +27,13 @@ max_position_embeddings = 32
 
 
 def run_job(tmp_path: Path, body: str, *, hidden: int = 32, timeout: int = 400) -> list[dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     job = tmp_path / "job.toml"
     job.write_text(textwrap.dedent(body) + MODEL.format(hidden=hidden, inter=2 * hidden))
+    return run_cli(tmp_path, job, timeout=timeout)
+
+
+def run_cli(tmp_path: Path, job: Path, *, timeout: int) -> list[dict]:
     rdir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_PROGRESS": "plain"}
     milehpc = Path(sys.executable).with_name("milehpc")
@@ -40,25 +45,9 @@ def run_job(tmp_path: Path, body: str, *, hidden: int = 32, timeout: int = 400) 
 
 @pytest.mark.slow
 def test_grpo_reward_rises_with_one_rollout_and_two_trainer_ranks(tmp_path) -> None:
-    records = run_job(tmp_path, """
-        name = "grpo-3ranks"
-        [data]
-        source = "task:sort"
-        params = { min_len = 3, max_len = 4 }
-        [rollout]
-        prompts_per_step = 16
-        n_samples = 8
-        max_new_tokens = 6
-        [trainer]
-        dp = 2
-        micro_batch_size = 64
-        lr = 2e-4
-        sft_warmup_steps = 30
-        sft_lr = 1e-3
-        [run]
-        steps = 90
-        loop = "one_step_off"
-    """, hidden=128, timeout=900)
+    """examples/cpu-demo-small.toml as shipped: 1 rollout + 2 trainer ranks, GRPO after a short SFT warm-up."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "cpu-demo-small.toml"
+    records = run_cli(tmp_path, example, timeout=900)
     first = records[0]
     assert first["dist/mpi_world_size"] == 3 and first["dist/trainer_world_size"] == 2
     assert first["dist/rollout_ranks"] == 1
@@ -126,7 +115,7 @@ def test_one_step_off_and_async_weight_schedules(tmp_path) -> None:
     assert all(5 - s.weight_version <= 2 for s in samples)
 
 
-def test_colocated_sync_loop(tmp_path) -> None:
+def test_colocated_sync_loop_with_fsdp2(tmp_path) -> None:
     records = run_job(tmp_path, """
         name = "coloc"
         [data]
@@ -140,6 +129,7 @@ def test_colocated_sync_loop(tmp_path) -> None:
         [trainer]
         dp = 2
         micro_batch_size = 8
+        options = { fsdp = true }     # FSDP2 over gloo; the weight export is a collective
         [resources]
         colocate = true
         [run]

@@ -62,7 +62,7 @@ def test_logprobs_match_a_teacher_forced_forward_with_mixed_prompt_lengths() -> 
     out = eng.generate(prompts(8, 1, 7), SamplingParams(n=3, max_new_tokens=7, temperature=0.7))
     assert len({len(s.prompt_ids) for s in out}) > 2
     recomputed = trainer.compute_logprobs(out)
-    diff = max(abs(a - b) for s, lp in zip(out, recomputed) for a, b in zip(s.rollout_logprobs, lp))
+    diff = max(abs(a - b) for s, lp in zip(out, recomputed, strict=True) for a, b in zip(s.rollout_logprobs, lp, strict=True))
     assert diff <= 1e-5
 
 
@@ -102,10 +102,10 @@ def test_update_weights_by_name_changes_outputs_and_version() -> None:
     a, b = engine(model_seed=0), engine(model_seed=1)
     p = prompts(3)
     sp = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
-    assert not all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_parameters(), b.named_parameters()))
+    assert not all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True))
     b.update_weights(a.named_parameters(), version=5)
     assert b.weight_version() == 5
-    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_parameters(), b.named_parameters()))
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True))
     assert [s.response_ids for s in a.generate(p, sp)] == [s.response_ids for s in b.generate(p, sp)]
     with pytest.raises(KeyError, match="no parameter named"):
         b.update_weights([("model.nope.weight", torch.zeros(1))], 6)

@@ -269,3 +269,64 @@ def test_health_watches_the_engines_child_processes():
     finally:
         for c in children:
             c.kill()
+
+
+def test_weight_update_waits_for_the_running_generation():
+    """Never updated mid-generation: an update issued while a batch runs starts only after it returns."""
+    import threading
+    import time
+
+    log: list[str] = []
+    _, engine, _ = _build(log)
+    inner = engine._engine
+    started = threading.Event()
+
+    def slow_generate(**kw):
+        started.set()
+        time.sleep(0.5)
+        out = RecordingSGLangEngineStandIn.generate(inner, **kw)
+        log.append("generate-done")
+        return out
+
+    inner.generate = slow_generate
+    t = threading.Thread(target=engine.generate, args=([[3, 4]], SamplingParams(max_new_tokens=2)))
+    t.start()
+    started.wait(10)
+    engine.update_weights([("w", torch.ones(3))], version=5)
+    t.join(10)
+    assert log.index("generate-done") < log.index("sglang.update_weights_from_tensor")
+
+
+def test_multi_rank_engine_layout_uses_sglang_nodes():
+    """gpus_per_engine = 2: each rank is one SGLang node; the leader's rendezvous address reaches the other."""
+    import types
+
+    from milehpc.config.site import Launcher, Partition
+    from milehpc.plan import make_plan
+    from milehpc.rollout.sglang_engine import engine_layout
+
+    job = job_from_dict({"name": "l", "rollout": {"engine": "sglang", "engines": 2, "gpus_per_engine": 2},
+                         "trainer": {"dp": 2}},
+                        file="job.toml")
+    plan = make_plan(job, Partition(scheduler="local", launcher=Launcher(kind="mpirun"), cpus_per_node=8),
+                     site="local", partition_name="local")
+    sent: dict[str, object] = {}
+
+    def bcast(obj, root, ranks, *, what):  # the timed MPI broadcast of runtime.comm.Comms, in one process
+        assert root == ranks[0] and "rendezvous" in what
+        if obj is not None:
+            sent["addr"] = obj
+        return sent["addr"]
+
+    leader, other = plan.engine_leaders()[1], plan.engine_leaders()[1] + 1
+    lay0 = engine_layout(types.SimpleNamespace(plan=plan, job=job, comms=types.SimpleNamespace(rank=leader,
+                                                                                                bcast=bcast)))
+    lay1 = engine_layout(types.SimpleNamespace(plan=plan, job=job, comms=types.SimpleNamespace(rank=other,
+                                                                                                bcast=bcast)))
+    assert (lay0.engine, lay0.engine_rank, lay1.engine_rank) == (1, 0, 1)
+    assert lay0.dist_init_addr == lay1.dist_init_addr and ":" in str(lay0.dist_init_addr)
+    opts = sm.parse_options({})
+    from milehpc.config.precision import resolve_precision
+
+    args = sm.server_args(job, opts, resolve_precision(job), lay1, model_path="/m", tokenizer_path=None)
+    assert (args["tp_size"], args["nnodes"], args["node_rank"], args["base_gpu_id"]) == (2, 2, 1, 0)

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu_with_standins(tmp_path):
     out = tmp_path / "gpu-check.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    # MILEHPC_NO_ENTRY_POINTS: as on the GPU machine, where milehpc is on PYTHONPATH but not installed.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_NO_ENTRY_POINTS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "standin_gpu_stack"), str(ROOT)])}
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--small", "--device", "cpu",
                           "--steps", "2", "--prompts", "3", "--n", "2", "--max-new-tokens", "6", "--micro-batch", "4",

@@ -99,3 +99,14 @@ def test_cli_run_selecting_the_gpu_stack_is_one_line_exit_2(tmp_path, toml, pack
     assert "Traceback" not in res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and f"'{package}'" in lines[0], res.stderr
+
+
+def test_colocated_driver_is_only_for_sglang_and_needs_the_memory_saver():
+    from milehpc.runtime.colocate import for_job
+
+    cpu = job_from_dict({"name": "t", "resources": {"colocate": True}})
+    assert for_job(cpu, engine=None) is None  # the reference engine: nothing to offload
+    gpu = job_from_dict({"name": "t", "rollout": {"engine": "sglang"}, "resources": {"colocate": True}})
+    with pytest.raises(PluginError) as info:
+        for_job(gpu, engine=None)
+    _one_line(info.value, "torch-memory-saver")

@@ -5,6 +5,7 @@ ranks in one world through milehpc's own launch line (srun --mpi=pmix ... milehp
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -145,6 +146,7 @@ def test_sweep_that_changes_the_request_is_refused(cli, tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow  # 4 ranks each import torch for milehpc's launch: ~30 s on 2 idle cores
 def test_four_mpi4py_ranks_in_one_world_under_srun_pmix(cli, tmp_path):
     job = harness.write_job(tmp_path / "job.toml", "mpi_world", name="mpi4",
                             extra="[trainer]\ndp = 4\n[rollout]\nengines = 4\n")
@@ -158,3 +160,19 @@ def test_four_mpi4py_ranks_in_one_world_under_srun_pmix(cli, tmp_path):
     out = json.loads((run_dir / "out" / "mpi.json").read_text())
     assert out["size"] == 4 and out["sum"] == 0 + 1 + 2 + 3 and out["procids"] == [0, 1, 2, 3], out
     assert out["library"].startswith("Open MPI")
+
+
+def test_status_falls_back_from_squeue_to_sacct_to_scontrol(cli, tmp_path):
+    job_id = cli.submit(harness.write_job(tmp_path / "job.toml", "hello"), tmp_path / "run")["job_id"]
+    harness.wait_for(job_id, timeout=120)
+    assert cli.status(job_id)[0]["source"] == "squeue+scontrol"
+    # A machine whose squeue is missing: sacct is asked next and fails (no accounting here, as on some real
+    # sites), then scontrol answers.
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("sacct", "scontrol", "sbatch"):
+        (bindir / tool).symlink_to(shutil.which(tool))
+    cli.env["PATH"] = f"{bindir}:{Path(sys.executable).parent}"
+    [st] = cli.status(job_id)
+    assert st["source"] == "scontrol" and st["state"] == "COMPLETED" and st["exit_code"] == "0:0"
+    assert st["stdout"] == str(tmp_path / "run" / "logs" / f"slurm-{job_id}.out")

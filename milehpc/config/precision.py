@@ -39,7 +39,9 @@ from milehpc.errors import missing_dependency
 if TYPE_CHECKING:
     from milehpc.config.job import JobSpec
 
-# Megatron's fp8 format: "hybrid" = E4M3 forward, E5M2 gradients (what Miles/slime run); mxfp8 is E4M3 only.
+# Megatron's fp8 format: "hybrid" = E4M3 forward, E5M2 gradients (per-tensor recipes, as Miles/slime run them);
+# the block recipes use E4M3 throughout, TE's default for Float8BlockScaling / MXFP8BlockScaling
+# (transformer_engine/common/recipe/__init__.py) and the format SGLang's fp8 weights are served in.
 _MEGATRON_FP8_FORMAT = {"delayed": "hybrid", "tensorwise": "hybrid", "blockwise": "e4m3", "mxfp8": "e4m3"}
 _TE_RECIPE_CLASS = {
     "delayed": "DelayedScaling",

@@ -24,6 +24,8 @@ from milehpc.render import shell
 # checkpoint by creating this file; ranks that checkpointed and want to be restarted exit with this code.
 REQUEST_FILE = ".milehpc/checkpoint-request"
 EXIT_REQUEUE = 75
+# Rank 0 writes this file (relative to the run dir) when the whole launch ended well.
+DONE_FILE = ".milehpc/step-done"
 
 
 @dataclass
@@ -143,6 +145,6 @@ def render_script(inp: ScriptInputs) -> str:
         env=env, container_env={**container_env, **job.container.env},
         launch=_launch_argv(inp), container=inp.container_argv,
         forward_case="|".join(f"{p}*" for p in FORWARD_PREFIXES), forward_names=sorted({*FORWARD_NAMES, *forward}),
-        request_file=REQUEST_FILE, exit_requeue=EXIT_REQUEUE,
+        request_file=REQUEST_FILE, done_file=DONE_FILE, exit_requeue=EXIT_REQUEUE,
         max_restarts=job.checkpoint.max_restarts,
     )

@@ -42,7 +42,6 @@ radixark/miles ``train.py`` (offload order). Facts are listed in :mod:`milehpc.r
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterable
@@ -146,6 +145,9 @@ class SGLangEngine:
             factory = sglang.Engine
         if self.server_args.get("nnodes", 1) > 1:
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+        # Logprobs of the temperature-scaled distribution (SGLang's default), which is what the trainer recomputes;
+        # SGLANG_RETURN_ORIGINAL_LOGPROB=1 would return pre-temperature ones and break train–rollout agreement.
+        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
         before = _children()
         # A dying scheduler sends SIGQUIT to its parent; SGLang's default handler then kills this whole rank.
         # ``custom_sigquit_handler`` (a ServerArgs field) lets us mark the engine dead and restart it instead.
@@ -190,11 +192,11 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         if self._engine is not None:
+            # Our SIGQUIT handler stays installed: a child dying during teardown must not take the rank down.
             try:
                 self._engine.shutdown()
             finally:
                 self._engine = None
-                signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Every engine call: fails with a message naming the engine instead of hanging on a dead one."""
@@ -251,6 +253,11 @@ class SGLangEngine:
         names: list[str] = []
         with self._lock:
             for bucket in sm.buckets(named_tensors, bucket_bytes):
+                if any(t.is_cuda for _, t in bucket):
+                    import torch
+
+                    # The scheduler reads these through CUDA IPC on its own stream: our copies must be done.
+                    torch.cuda.current_stream().synchronize()
                 self._call("update_weights_from_tensor", self._engine.update_weights_from_tensor,
                            named_tensors=bucket, load_format=None, flush_cache=False)
                 names.extend(n for n, _ in bucket)

@@ -124,6 +124,16 @@ class StepReport:
         return out
 
 
+def for_job(job: Any, engine: Any, *, device: Any = None) -> ColocatedStep | None:
+    """The colocated driver for a job whose engine offloads (SGLang), else None (the CPU reference engine shares
+    nothing worth offloading). Build the trainer inside ``step.train_region()``; per step the loop then calls
+    ``offload_rollout()`` after generating, ``onload_train()`` + training inside ``train_region()`` + ``snapshot()``,
+    then ``offload_train()``, ``onload_weights()``, ``update_weights(version)``, ``onload_kv()``."""
+    if not (job.resources.colocate and job.rollout.engine == "sglang"):
+        return None
+    return ColocatedStep(engine, None, torch_memory_saver_backend(), device=device)
+
+
 class ColocatedStep:
     """Drive one engine and one trainer sharing a GPU through a step in Miles' order.
 
@@ -178,12 +188,12 @@ class ColocatedStep:
         def run() -> dict[str, float]:
             with self.train_region():  # optimizer state is created lazily at the first step: keep it pausable
                 metrics = self.trainer.train_step(samples, step)
-            self._take_snapshot()
+            self.snapshot()
             return metrics
 
         return self._timed("train", run)
 
-    def _take_snapshot(self) -> None:
+    def snapshot(self) -> None:
         """Pinned CPU copy of the trainer's (engine-named) weights, reused across steps."""
         import torch
 
@@ -259,6 +269,6 @@ class ColocatedStep:
     def initial_sync(self, version: int = 0) -> None:
         """Before the first generation (Miles: "always update weight first"): push the trainer's initial weights.
         The engine was started with its weights resident, so: snapshot, offload train, update, done."""
-        self._take_snapshot()
+        self.snapshot()
         self.offload_train()
         self.update_weights(version)

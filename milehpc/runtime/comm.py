@@ -12,7 +12,10 @@
    ``init_weights_update_group`` expects (so an out-of-process engine can join the same group over NCCL).
 
 Control messages (small, pickled) go over a private duplicate of COMM_WORLD with nonblocking sends and matched
-probes polled against a deadline: every wait has a timeout and knows, per peer, who it is still waiting for.
+probes polled against a deadline: every wait has a timeout (``resources.collective_timeout_s``) and knows, per
+peer, who it is still waiting for. A rank that dies or freezes is found sooner by the watchdog (runtime/watchdog.py;
+heartbeat timeout ``min(collective_timeout_s, 60)`` s, or ``MILEHPC_HEARTBEAT_TIMEOUT``), which ends every rank
+with a message naming it.
 """
 
 from __future__ import annotations

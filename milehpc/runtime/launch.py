@@ -111,15 +111,32 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
                          restart_count=int(restarts) if restarts.isdigit() else 0, partition=partition)
         load_ref(entry or DEFAULT_ENTRY)(ctx)
         comms.close()
+        if rank == 0:
+            _mark_done(run_dir)
     except RequeueExit as err:  # every rank checkpointed on request (runtime.signals): end quietly with 75
         if comms is not None:
             comms.watchdog.stop()
         _end(err.exit_code, None, rank)
     except MilehpcError as err:
         _fail(comms, rank, str(err), err.exit_code)
+    except SystemExit as err:  # sys.exit() in the entry: the others must not wait for this rank
+        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+        if code == 0 and comms is not None:
+            comms.close()
+            return
+        _fail(comms, rank, f"exited with status {code} (sys.exit in the entry)", code or 1)
     except (Exception, KeyboardInterrupt) as err:  # a bug or an interrupt: show where, and end the others too
         traceback.print_exc()
         _fail(comms, rank, f"{type(err).__name__}: {err}", 1)
+
+
+def _mark_done(run_dir: str | os.PathLike[str]) -> None:
+    """Tell the job script the ranks really ran and finished (a launcher can exit 0 without starting them)."""
+    from milehpc.render.script import DONE_FILE
+
+    marker = Path(run_dir) / DONE_FILE
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
 
 
 def _fail(comms: Any, rank: int, message: str, code: int) -> None:

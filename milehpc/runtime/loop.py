@@ -494,7 +494,9 @@ def run_local(job: JobSpec, run_dir: str | Path | None = None, *, progress: bool
             metrics = rollout_metrics(stats)
             groups, st = side.filter_stale(groups)
             metrics.update(st)
-            metrics.update(side.train(step, _samples(groups)))
+            counts = comms.allgather(len(groups), everyone, what=f"step {step} group counts")
+            # A rank without data cannot join the gradient all-reduce: then nobody trains this step.
+            metrics.update(side.train(step, _samples(groups) if min(counts) > 0 else []))
             t1 = time.perf_counter()
             rollout.load_weights(trainer.export_weights(), trainer.version)
             metrics["time/sync"] = time.perf_counter() - t1
@@ -691,6 +693,10 @@ def _trainer_main(ctx: Any, job: JobSpec, trainer: Any, *, progress: bool) -> li
                 metrics.update(st)
                 last = step == job.run.steps - 1 or side.target_reached(metrics)
                 shares = deal_groups(groups, plan.dp)
+                if plan.dp > 1 and not all(shares):
+                    # A DP rank without data cannot join the gradient all-reduce: nobody trains this step.
+                    metrics["train/skipped_groups"] = float(len(groups))
+                    shares = [[] for _ in shares]
                 for r in trainers[1:]:
                     _, rdp, _ = plan.trainer_coords(r)
                     _send(comms, (step, shares[rdp], last), r, TAG_SHARE, f"step {step} share to rank {r}", pending)
@@ -757,7 +763,9 @@ def _colocated_main(ctx: Any, job: JobSpec, engine: Any, trainer: Any, *, progre
                 merged = merge_rollout_stats([part[1] for part in gathered])
                 metrics = rollout_metrics(merged)
                 metrics["rollout/gen_tokens"] = merged.get("gen_tokens", 0.0)
-            metrics.update(side.train(step, _samples(groups)))
+            counts = comms.allgather(len(groups), everyone, what=f"step {step} group counts")
+            # A rank without data cannot join the gradient all-reduce: then nobody trains this step.
+            metrics.update(side.train(step, _samples(groups) if min(counts) > 0 else []))
             t1 = time.perf_counter()
             sync_weights(comms, trainer.version, named_tensors=trainer.export_weights(),
                          engine=_VersionedEngine(rollout, engine))
@@ -775,6 +783,16 @@ def _colocated_main(ctx: Any, job: JobSpec, engine: Any, trainer: Any, *, progre
     return side.history
 
 
+def check_job(job: JobSpec, *, file: str | None = None) -> None:
+    """Loop settings that only make sense together (one clear line otherwise)."""
+    if job.run.loop == "async" and job.run.stale_policy == "correct" and job.algorithm.off_policy_correction == "none":
+        raise ConfigError("stale_policy = 'correct' keeps stale samples for importance correction: set "
+                          "algorithm.off_policy_correction = 'tis' or 'mis'", file=file, field="run.stale_policy")
+    if job.rollout.generator and job.rollout.partial_rollout:
+        raise ConfigError("partial_rollout cannot be combined with a custom generator", file=file,
+                          field="rollout.partial_rollout")
+
+
 # ---- entry --------------------------------------------------------------------------------------------------
 def run(ctx: Any, *, progress: bool = True) -> list[dict[str, float]]:
     """The loop on this rank (called by ``milehpc launch`` on every rank). Returns the leader's metrics history."""
@@ -783,6 +801,7 @@ def run(ctx: Any, *, progress: bool = True) -> list[dict[str, float]]:
     job, plan, comms = ctx.job, ctx.plan, ctx.comms
     random.seed(job.run.seed + comms.rank)
     file = str(ctx.run_dir / "job.toml")
+    check_job(job, file=file)
     engine = trainer = None
     if plan.is_rollout(comms.rank):
         engine = plugins.load("engine", job.rollout.engine, file=file, field="rollout.engine")(ctx)

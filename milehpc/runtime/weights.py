@@ -293,30 +293,33 @@ def find_converter(source: str, target: str, params: Mapping[str, Any] | None = 
 # ---- the whole sync, on every rank ----------------------------------------------
 def sync_weights(comms: Comms, version: int, *, named_tensors: NamedTensors | Callable[[int], NamedTensors] | None = None,
                  engine: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 converter: Converter | None = None, timeout: float | None = None) -> None:
+                 converter: Converter | None = None, timeout: float | None = None) -> list[SyncStats]:
     """Call on every rank. Stage leaders send ``named_tensors`` (their stage's weights; a callable gets the stage),
     rollout ranks load what arrives into ``engine`` (stage by stage), other trainer ranks return at once.
-    Colocated: the engine on this rank takes the trainer's tensors in place, no communication."""
+    Colocated: the engine on this rank takes the trainer's tensors in place, no communication.
+    Returns the stats of what this rank sent (empty elsewhere)."""
     convert = converter or identity
+    sent: list[SyncStats] = []
     if comms.plan.colocated:
         if engine is None or named_tensors is None:
             raise ValueError("colocated weight sync needs both named_tensors and engine on every rank")
         tensors = named_tensors(0) if callable(named_tensors) else named_tensors
         engine.update_weights(convert(tensors), version)
-        return
+        return sent
     for stage in sorted(comms.sync_groups):
         group = comms.sync_groups[stage]
         if group.is_source:
             if named_tensors is None:
                 raise ValueError(f"rank {comms.rank} leads stage {stage}: it needs named_tensors")
             tensors = named_tensors(stage) if callable(named_tensors) else named_tensors
-            send_weights(group, tensors, version, bucket_bytes, converter=convert, timeout=timeout)
+            sent.append(send_weights(group, tensors, version, bucket_bytes, converter=convert, timeout=timeout))
         else:
             if engine is None:
                 raise ValueError(f"rank {comms.rank} is a rollout rank: it needs the engine")
             stream = recv_weights_stream(group, timeout)
             engine.update_weights(stream, stream.version)
             stream.drain()
+    return sent
 
 
 # ---- checking -------------------------------------------------------------------

@@ -90,6 +90,8 @@ class TorchTrainer:
                        build_model(spec, tokenizer.vocab_size, seed=job.run.seed, pad_id=self.pad_id,
                                    eos_id=tokenizer.eos_id)).to(self.device)
         self.model = self._wrap(self.module)
+        # FSDP2 shards the weights: gathering them for the weight sync is a collective over all trainer ranks.
+        self.export_is_collective = bool(self.options["fsdp"]) and self.dp_size > 1
         self.optimizer = self._adamw(self.model.parameters(), job.trainer.lr)
         self.scheduler = self._schedule(self.optimizer, job.trainer.lr)
         self.ref: Any = None
@@ -99,6 +101,12 @@ class TorchTrainer:
                                              eos_id=tokenizer.eos_id, value_head=True).to(self.device)
             self.critic = self._wrap(self.critic_module)
             self.critic_opt = self._adamw(self.critic.parameters(), float(self.options["critic_lr"]))
+        if self.export_is_collective and (getattr(algorithm, "needs_ref", False)
+                                          or getattr(algorithm, "needs_critic", False)):
+            from milehpc.errors import ConfigError
+
+            raise ConfigError("trainer.options.fsdp supports the policy alone: no KL reference (kl_coef = 0) "
+                              "and no critic", field="trainer.options.fsdp")
         self.teacher: Any = None
         if getattr(algorithm, "needs_teacher", False):
             from milehpc.errors import ConfigError
@@ -252,16 +260,24 @@ class TorchTrainer:
         diff_max, diff_sum, diff_n = 0.0, 0.0, 0.0
         grad_norm = 0.0
         mbs = batch.split(self.job.trainer.micro_batch_size)
+        n_mbs = len(mbs)
+        if self.export_is_collective:
+            # FSDP2 gathers weights in every forward: all ranks must run as many micro-batches (a rank with
+            # fewer repeats its first one with a zero weight).
+            n_mbs = int(_all_reduce([float(len(mbs))], "max")[0])
         for epoch in range(self.job.algorithm.ppo_epochs):
-            for i, mb in enumerate(mbs):
-                last = i == len(mbs) - 1
+            for i in range(n_mbs):
+                mb, scale = (mbs[i], 1.0) if i < len(mbs) else (mbs[0], 0.0)
+                last = i == n_mbs - 1
                 with self._no_sync(self.model, last=last), self._no_sync(self.critic, last=last):
                     logp, ent = self.forward(self.model, mb, entropy=True)
                     values = self.values(mb) if self.critic is not None else None
                     loss, metrics = self.algorithm.loss(logp, mb, entropy=ent, values=values,
                                                         global_tokens=tokens, global_seqs=seqs,
                                                         dp_size=self.dp_size)
-                    loss.backward()
+                    (loss * scale).backward()
+                if scale == 0.0:
+                    continue
                 w = mb.num_tokens / max(tokens / self.dp_size, 1.0)  # token share of this rank's batch
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * w / self.job.algorithm.ppo_epochs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -89,8 +90,9 @@ class Cli:
 
     def cleanup(self) -> None:
         """Cancel what a failed test left running (scancel of an ended job is harmless)."""
-        for job_id in self.submitted:
-            subprocess.run(["scancel", job_id], capture_output=True, env=self.env, timeout=30)
+        scancel = shutil.which("scancel")
+        for job_id in self.submitted if scancel else []:
+            subprocess.run([scancel, job_id], capture_output=True, env={**self.env, "PATH": os.defpath}, timeout=30)
 
     def status(self, *ids: str) -> list[dict[str, Any]]:
         return json.loads(self("status", "--json", *ids).stdout)
@@ -119,9 +121,24 @@ def wait_for(job_id: str, *, timeout: float = 120, release_holds: bool = False, 
             return sts
         if release_holds:
             for s in sts:
-                if s.state == "PENDING" and "BeginTime" in s.reason:
+                # Release only once the previous run's step daemons are gone: Slurm's hold exists so that the
+                # restarted step does not meet the old one's PMIx socket (then srun fails, and exits 0).
+                if s.state == "PENDING" and "BeginTime" in s.reason and not _stepds(s.job_id):
                     subprocess.run(["scontrol", "update", f"JobId={s.job_id}", "StartTime=now"],
                                    capture_output=True, timeout=30)
         time.sleep(poll)
     uniq = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
     raise AssertionError(f"job {job_id} not done within {timeout} s; states seen: {uniq[-8:]}")
+
+
+def _stepds(job_id: str) -> list[int]:
+    """PIDs of this host's slurmstepd processes of ``job_id`` ("slurmstepd: [123.0]", "[123.batch]")."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmd.startswith(f"slurmstepd: [{job_id}.".encode()):
+            pids.append(int(proc.name))
+    return pids

@@ -7,6 +7,16 @@ set -eo pipefail
 export MILEHPC_RUN_DIR=/scratch/milehpc/runs/golden
 mkdir -p "$MILEHPC_RUN_DIR/logs" "$MILEHPC_RUN_DIR/.milehpc"
 
+# Wall time / preemption: a signal asks the ranks to checkpoint at their next step boundary
+# (milehpc.runtime.signals); the ranks then exit with 75.
+milehpc_request_checkpoint() {
+    echo "milehpc: signal received, asking the ranks to checkpoint" >&2
+    : > "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
+}
+trap milehpc_request_checkpoint USR1 TERM
+rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
+
+
 # Environment of every rank (site values cite the site's user guide; job [env] last).
 export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=1
@@ -19,14 +29,6 @@ export MASTER_ADDR
 export MASTER_PORT=$(( 20000 + ${SLURM_JOB_ID:-$$} % 40000 ))
 export MILEHPC_RESTART_COUNT="${SLURM_RESTART_COUNT:-0}"
 
-# Wall time / preemption: a signal asks the ranks to checkpoint at their next step boundary
-# (milehpc.runtime.signals); the ranks then exit with 75.
-milehpc_request_checkpoint() {
-    echo "milehpc: signal received, asking the ranks to checkpoint" >&2
-    : > "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
-}
-trap milehpc_request_checkpoint USR1 TERM
-rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
 
 # Each task enters the container with a clean environment; pass on what the ranks need by name.
 milehpc_rank() {
@@ -48,6 +50,9 @@ if [ "$(id -u)" -eq 0 ]; then
 fi
 
 # ONE MPI world holds the trainer and the rollout ranks; each rank finds its role in plan.json.
+# Rank 0 writes this marker when every rank finished; a launcher can exit 0 without starting the ranks
+# (e.g. srun after a PMIx failure), and that must not look like success.
+rm -f "$MILEHPC_RUN_DIR/.milehpc/step-done"
 /opt/milehpc/venv/bin/mpirun -np 4 --oversubscribe --bind-to none bash -c milehpc_rank &
 step=$!
 # `wait` returns early (status > 128) when a trapped signal arrives: keep waiting for the step itself.
@@ -58,6 +63,10 @@ while true; do
     set -e
     kill -0 "$step" 2>/dev/null || break
 done
+if [ "$rc" -eq 0 ] && [ ! -e "$MILEHPC_RUN_DIR/.milehpc/step-done" ]; then
+    echo "milehpc: the launcher exited 0 but the ranks never reported finishing; treating the step as failed" >&2
+    rc=1
+fi
 
 if [ "$rc" -eq 75 ]; then
     echo "milehpc: ranks checkpointed; resume with: milehpc submit --resume $MILEHPC_RUN_DIR" >&2

@@ -19,6 +19,16 @@ set -eo pipefail
 
 export MILEHPC_RUN_DIR=/scratch/milehpc/runs/golden
 mkdir -p "$MILEHPC_RUN_DIR/logs" "$MILEHPC_RUN_DIR/.milehpc"
+
+# Wall time / preemption: a signal asks the ranks to checkpoint at their next step boundary
+# (milehpc.runtime.signals); the ranks then exit with 75.
+milehpc_request_checkpoint() {
+    echo "milehpc: signal received, asking the ranks to checkpoint" >&2
+    : > "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
+}
+trap milehpc_request_checkpoint USR1 TERM
+rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
+
 module load cudatoolkit
 module load nccl
 
@@ -43,14 +53,6 @@ export MASTER_ADDR
 export MASTER_PORT=$(( 20000 + ${SLURM_JOB_ID:-$$} % 40000 ))
 export MILEHPC_RESTART_COUNT="${SLURM_RESTART_COUNT:-0}"
 
-# Wall time / preemption: a signal asks the ranks to checkpoint at their next step boundary
-# (milehpc.runtime.signals); the ranks then exit with 75.
-milehpc_request_checkpoint() {
-    echo "milehpc: signal received, asking the ranks to checkpoint" >&2
-    : > "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
-}
-trap milehpc_request_checkpoint USR1 TERM
-rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
 
 # Each task enters the container with a clean environment; pass on what the ranks need by name.
 milehpc_rank() {
@@ -69,6 +71,9 @@ export -f milehpc_rank
 
 echo "milehpc: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST; master $MASTER_ADDR:$MASTER_PORT" >&2
 # ONE MPI world holds the trainer and the rollout ranks; each rank finds its role in plan.json.
+# Rank 0 writes this marker when every rank finished; a launcher can exit 0 without starting the ranks
+# (e.g. srun after a PMIx failure), and that must not look like success.
+rm -f "$MILEHPC_RUN_DIR/.milehpc/step-done"
 srun --mpi=cray_shasta --nodes=1 --ntasks=4 --ntasks-per-node=4 --cpus-per-task=32 --cpu-bind=cores --gpus-per-task=1 --kill-on-bad-exit=1 bash -c milehpc_rank &
 step=$!
 # `wait` returns early (status > 128) when a trapped signal arrives: keep waiting for the step itself.
@@ -79,6 +84,10 @@ while true; do
     set -e
     kill -0 "$step" 2>/dev/null || break
 done
+if [ "$rc" -eq 0 ] && [ ! -e "$MILEHPC_RUN_DIR/.milehpc/step-done" ]; then
+    echo "milehpc: the launcher exited 0 but the ranks never reported finishing; treating the step as failed" >&2
+    rc=1
+fi
 
 if [ "$rc" -eq 75 ]; then
     restarts="${SLURM_RESTART_COUNT:-0}"
