@@ -110,8 +110,8 @@ def worker(args: argparse.Namespace) -> None:
     # per-pair ratio cancels the drift. Reported: the median over repetitions of the per-pair ratios.
     times: dict[str, list[float]] = {label: [] for label, _, _ in configs}
     flats: dict[str, list[float]] = {label: [] for label, _, _ in configs}
-    for _ in range(args.reps):
-        for label, size, direct in configs:
+    for rep in range(args.reps):
+        for label, size, direct in configs[rep % len(configs):] + configs[:rep % len(configs)]:  # no order bias
             flats[label].append(timed(flat_once))
             times[label].append(timed(lambda size=size, direct=direct: bucketed_once(size, direct)))
     if comms.rank == group.source:

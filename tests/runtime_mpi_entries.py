@@ -116,7 +116,8 @@ def _sync(ctx: Any) -> dict[str, Any]:
     engine = DictEngine() if comms.is_rollout else None
     data: dict[str, Any] = {"rank": comms.rank, "tensors": len(expected)}
     for version in (1, 2):
-        sync_weights(comms, version, named_tensors=stage_tensors, engine=engine, bucket_bytes=bucket)
+        sent = sync_weights(comms, version, named_tensors=stage_tensors, engine=engine, bucket_bytes=bucket)
+        data["sent"] = [[s.tensors, s.buckets, s.nbytes] for s in sent]
     if engine is not None:
         result = compare_named_tensors(expected, engine.weights, rank=comms.rank)
         data |= {"bit_exact": result.ok, "checked": result.checked, "version": engine.version,

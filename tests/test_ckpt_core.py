@@ -220,3 +220,29 @@ def test_time_interval_uses_the_clock(tmp_path: Path) -> None:
     assert not ck.at_step_end(1).save
     time.sleep(0.06)
     assert ck.at_step_end(2).save
+
+
+def test_resume_run_dir_for_submit_resume(tmp_path: Path) -> None:
+    import dataclasses
+
+    from ckpt_helpers import job_toml, prepare_local
+
+    from milehpc.errors import MilehpcError
+    from milehpc.runtime.checkpoint import layout_record, resume_run_dir
+    from milehpc.runtime.launch import load_run_dir
+
+    with pytest.raises(MilehpcError, match="not a milehpc run dir"):
+        resume_run_dir(tmp_path)
+    run_dir = prepare_local(tmp_path, "run", job_toml(4))
+    info = resume_run_dir(run_dir)
+    assert info["checkpoint"] is None and info["job_script"].endswith("job.sbatch")  # nothing saved yet: fresh
+
+    job, plan, _ = load_run_dir(run_dir)
+    Checkpointer(run_dir / "checkpoints", layout=layout_record(job, plan)).save(3, {}, meta={"weight_version": 3})
+    info = resume_run_dir(run_dir)
+    assert info["step"] == 3 and info["meta"] == {"weight_version": 3}
+    # resubmitted with another layout (e.g. more DP ranks): refused in one line, before anything runs
+    wider = dataclasses.replace(plan, dp=2, trainer_ranks=2, world_size=3)
+    with pytest.raises(ConfigError) as err:
+        resume_run_dir(run_dir, plan=wider)
+    assert "dp=1->2" in str(err.value) and "\n" not in str(err.value)

@@ -3,6 +3,7 @@ weights, its in-flight prompts re-queued; every prompt comes back exactly once (
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 
@@ -58,6 +59,11 @@ def _run(job: JobSpec, *, kill_on_call: int) -> tuple[list, EngineSupervisor, li
         now = dict(sup.named_parameters())
         for name, tensor in weights:
             assert torch.equal(now[name], tensor), name
+        # partial rollouts are continued in place: the caller's Sample objects grow
+        conts = copy.deepcopy(out[:2])
+        before = [len(c.response_ids) for c in conts]
+        assert sup.generate([], SamplingParams(max_new_tokens=2, n=1), samples=conts) is conts
+        assert all(len(c.response_ids) > n for c, n in zip(conts, before, strict=True))
         return out, sup, pids
     finally:
         sup.shutdown()
@@ -67,8 +73,8 @@ def test_killed_reference_engine_recovers_without_losing_or_duplicating_prompts(
     out, sup, pids = _run(job, kill_on_call=3)
     stats = sup.stats()
     assert stats["engine_restarts"] == 1 and pids[0] != pids[1]
-    assert stats["prompts_completed"] == 10 and stats["prompts_lost"] == 0 and stats["duplicates_dropped"] == 0
-    assert stats["prompts_requeued"] == 2 and stats["prompts_submitted"] == 12  # one chunk of 2 sent twice
+    assert stats["prompts_completed"] == 12 and stats["prompts_lost"] == 0 and stats["duplicates_dropped"] == 0
+    assert stats["prompts_requeued"] == 2 and stats["prompts_submitted"] == 14  # a chunk sent twice; 2 continued
     groups = [s.group for s in out]
     assert groups == [g for g in range(10) for _ in range(3)]
     assert all(s.prompt_ids == [3 + s.group, 4 + s.group, 5] for s in out)
@@ -96,3 +102,50 @@ def test_an_engine_that_keeps_dying_ends_the_run_in_one_line(job: JobSpec) -> No
             sup.generate([[3, 4]], SamplingParams(max_new_tokens=2))
     finally:
         sup.shutdown()
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_engine_killed_during_a_real_run_is_recovered_and_the_run_is_unchanged(tmp_path) -> None:
+    """`rollout.engine = "reference_process"` under mpirun (1 trainer + 1 rollout rank): the engine's child process
+    is SIGKILLed mid-run; the run goes on and ends with the same parameters as a run with the in-process engine."""
+    import time
+
+    import psutil
+    from ckpt_helpers import differences, final_state, job_toml, prepare_local, start_script
+
+    steps = 12
+    ref_dir = prepare_local(tmp_path, "in_process", job_toml(steps))
+    run_dir = prepare_local(tmp_path, "supervised", job_toml(steps, env={"MILEHPC_TEST_REWARD_DELAY": "0.2"})
+                            .replace('[rollout]\n', '[rollout]\nengine = "reference_process"\n'))
+    ref, job = start_script(ref_dir), start_script(run_dir)
+    log = run_dir / "logs" / "job.out"
+
+    def engine_children() -> list[psutil.Process]:
+        out = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if "engine_supervisor import _worker" in cmd:
+                try:
+                    if str(run_dir) in " ".join(proc.parent().cmdline()):
+                        out.append(proc)
+                except psutil.Error:
+                    pass
+        return out
+
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "rollouts" / "step_000003.h5").exists():
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        [child] = engine_children()
+        child.kill()
+        assert job.wait(timeout=400) == 0, log.read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    text = log.read_text()
+    assert f"engine process {child.pid} died during" in text and "restarting it in place (restart 1)" in text, text
+    assert ref.wait(timeout=400) == 0
+    different = differences(final_state(ref_dir, steps), final_state(run_dir, steps))
+    assert not different, different[:5]

@@ -144,3 +144,27 @@ def test_render_uses_the_same_contract() -> None:
     from milehpc.render import script
 
     assert script.REQUEST_FILE == signals.REQUEST_FILE and script.EXIT_REQUEUE == signals.EXIT_REQUEUE
+
+
+def test_a_secret_value_in_the_job_file_is_refused_in_one_line() -> None:
+    from milehpc.config.job import JobSpec
+    from milehpc.config.schema import build
+    from milehpc.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        build(JobSpec, {"name": "x", "env": {"WANDB_API_KEY": "k" * 32}}, file="job.toml")
+    msg = str(err.value)
+    assert msg.startswith("job.toml: env.WANDB_API_KEY: ") and "k" * 32 not in msg and "\n" not in msg
+    # a reference (passed by environment) and ordinary variables are fine
+    job = build(JobSpec, {"name": "x", "env": {"HF_TOKEN": "$HF_TOKEN", "NCCL_DEBUG": "INFO"}}, file="job.toml")
+    assert job.env["NCCL_DEBUG"] == "INFO"
+
+
+def test_login_node_import_stays_light() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, milehpc.runtime.hygiene, milehpc.runtime.signals, milehpc.runtime.checkpoint; "
+            "print(' '.join(m for m in ('torch', 'numpy', 'h5py', 'mpi4py') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == ""

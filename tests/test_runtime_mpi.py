@@ -25,6 +25,18 @@ VENV_BIN = Path(sys.executable).parent
 MPIRUN = VENV_BIN / "mpirun"
 
 
+def _has_ulfm() -> bool:
+    """Open MPI built with fault tolerance (the PyPI wheel is): ``mpirun --with-ft ulfm`` keeps survivors alive."""
+    try:
+        info = subprocess.run([str(VENV_BIN / "ompi_info")], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "FT MPI support: yes" in info
+
+
+ULFM = pytest.mark.skipif(not _has_ulfm(), reason="this Open MPI has no ULFM (FT MPI support) for --with-ft ulfm")
+
+
 def write_run_dir(path: Path, spec: dict[str, Any]) -> Path:
     """plan.json + job.json as `milehpc submit` writes them, for a local 4-slot partition."""
     spec = {"name": "rt-test", **spec}
@@ -88,6 +100,10 @@ def test_split_groups_and_bucketed_sync_pp2(tmp_path: Path) -> None:
         assert set(rollout["dtypes"]) == {"torch.bfloat16", "torch.bool", "torch.float16", "torch.float32",
                                           "torch.float64", "torch.int64"}
     assert [o["group_versions"] for o in out] == [{"0": 2}, {"1": 2}, {"0": 2, "1": 2}, {"0": 2, "1": 2}]
+    # Each stage leader sent its half of the tensors in many 64 KiB buckets (plus the 128 KiB embedding alone).
+    (t0, b0, _), (t1, b1, _) = out[0]["sent"][0], out[1]["sent"][0]
+    assert t0 + t1 == 324 and b0 > 10 and b1 > 10
+    assert out[2]["sent"] == out[3]["sent"] == []
     for o in out:  # every member of a group gets the same merged verdict
         for key, check in o["checks"].items():
             stage = key.split("/")[1]
@@ -136,7 +152,7 @@ def _assert_ended_naming(proc: subprocess.CompletedProcess[str], needle: str, ra
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("flags", [("--with-ft", "ulfm"),
+@pytest.mark.parametrize("flags", [pytest.param(("--with-ft", "ulfm"), marks=ULFM),
                                    pytest.param((), marks=pytest.mark.slow)], ids=["survivors-ulfm", "default-mpirun"])
 def test_killed_rank_is_named_within_timeout(tmp_path: Path, flags: tuple[str, ...]) -> None:
     """Rank 2 is SIGKILLed while the others wait for it in a weight sync. With ULFM the launcher keeps the others
@@ -172,6 +188,7 @@ def test_stuck_rank_is_named_by_the_barrier_timeout(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@ULFM
 def test_crashing_rank_ends_the_others_with_its_error(tmp_path: Path) -> None:
     run = write_run_dir(tmp_path / "run", {"rollout": {"engines": 3}, "resources": {"collective_timeout_s": 60}})
     proc, _ = mpirun(run, "crash", flags=("--with-ft", "ulfm"))

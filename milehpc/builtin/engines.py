@@ -13,3 +13,8 @@ def milehpc_rollout_engines() -> Iterator[RolloutEngine]:
     yield RolloutEngine(name="reference", impl="milehpc.rollout.reference:from_context",
                         description="HF-transformers sampler with KV cache (CPU default; runs on GPUs too)",
                         defaults={"partial_chunk": 0, "max_filter_rounds": 4}, requires=("torch", "transformers"))
+    yield RolloutEngine(name="reference_process",
+                        impl="milehpc.runtime.engine_supervisor:reference_process_from_context",
+                        description="the reference engine in a supervised child process of its rank: if it dies it "
+                                    "is restarted in place, re-synced, its in-flight prompts re-queued",
+                        defaults={"partial_chunk": 0, "max_filter_rounds": 4}, requires=("torch", "transformers"))

@@ -203,9 +203,16 @@ class JobSpec:
     def validate(self, *, file: str | None, prefix: str) -> None:
         import re
 
-        for key in self.env:
+        from milehpc.runtime.hygiene import is_secret_name
+
+        for key, value in self.env.items():
             if not re.fullmatch(ENV_NAME, key):
                 raise ConfigError(f"expected an environment variable name, got {key!r}", file=file, field="env")
+            # A value here is copied into the run dir and the job script: secrets travel by environment only.
+            if is_secret_name(key) and value and not value.startswith("$"):
+                raise ConfigError(f"{key} looks like a secret (its name has TOKEN/KEY/SECRET/PASSWORD): do not put "
+                                  f"its value in the job file; export {key} in your shell before submitting (the job "
+                                  "inherits it, milehpc never writes it)", file=file, field=f"env.{key}")
         if self.resources.colocate:
             rollout = self.rollout.engines * self.rollout.gpus_per_engine
             if rollout != self.trainer.ranks:

@@ -497,40 +497,60 @@ class Checkpointer:
         """Collective: write this rank's ``state`` (torch-serialisable: tensors, numbers, strings, lists,
         dicts) and ``samples`` buffers; rank 0's ``meta`` (weight version, metric step, data cursor...) goes
         into the manifest. Returns the final directory."""
-        rank, coll = self.coll.rank, self.coll
+        rank = self.coll.rank
         tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}"
         final = self.root / step_dir_name(step)
-        if rank == 0:
+
+        def prepare() -> None:
             with storage_errors(self.root):
                 make_private_dir(self.root, self.dir_mode)
                 if tmp.exists():  # left by a job killed while writing this very step
                     shutil.rmtree(tmp)
                 tmp.mkdir(mode=0o700)
-        coll.barrier(f"checkpoint step {step}: creating {tmp}")
 
-        sums: dict[str, dict[str, Any]] = {}
-        with storage_errors(tmp):
-            pt = tmp / rank_file(rank, "pt")
-            _torch_save_durable({"format": FORMAT, "step": step, "rank": rank, "state": state,
-                                 "rng": capture_rng()}, pt)
-            written = [pt]
-            if samples:
-                h5 = tmp / rank_file(rank, "h5")
-                write_samples_h5(h5, samples)
-                written.append(h5)
-            for path in written:
-                sums[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-            write_json_durable(tmp / rank_file(rank, "sums.json"), sums)
-            fsync_path(tmp)
-        coll.barrier(f"checkpoint step {step}: waiting for every rank's shard")
+        def write_shard() -> None:
+            sums: dict[str, dict[str, Any]] = {}
+            with storage_errors(tmp):
+                pt = tmp / rank_file(rank, "pt")
+                _torch_save_durable({"format": FORMAT, "step": step, "rank": rank, "state": state,
+                                     "rng": capture_rng()}, pt)
+                written = [pt]
+                if samples:
+                    h5 = tmp / rank_file(rank, "h5")
+                    write_samples_h5(h5, samples)
+                    written.append(h5)
+                for path in written:
+                    sums[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+                write_json_durable(tmp / rank_file(rank, "sums.json"), sums)
+                fsync_path(tmp)
 
-        if rank == 0:
+        def commit() -> None:
             with storage_errors(tmp):
                 self._commit(tmp, final, step, meta or {})
-        coll.barrier(f"checkpoint step {step}: waiting for rank 0 to commit")
+
+        self._phase(step, f"creating {tmp}", prepare if rank == 0 else None)
+        self._phase(step, "writing every rank's shard", write_shard)
+        self._phase(step, "rank 0 commits", commit if rank == 0 else None)
         self.last_save = self.clock()
         self.saves += 1
         return final
+
+    def _phase(self, step: int, what: str, work: Callable[[], None] | None) -> None:
+        """Run this rank's part of one phase, then agree that every rank's part succeeded: a rank whose disk
+        is full raises its own one-line error, the others say which rank failed (nobody waits for a timeout)."""
+        error: BaseException | None = None
+        if work is not None:
+            try:
+                work()
+            except Exception as err:  # noqa: BLE001 - re-raised below, after telling the other ranks
+                error = err
+        failed = self.coll.allreduce_max([self.coll.rank if error is not None else -1],
+                                         f"checkpoint step {step}: {what}")[0]
+        if error is not None:
+            raise error
+        if failed >= 0:
+            raise RuntimeFailure(f"checkpoint step {step} not written: {what} failed on rank {failed} "
+                                 "(see its message); the previous checkpoint is intact")
 
     def _commit(self, tmp: Path, final: Path, step: int, meta: dict[str, Any]) -> None:
         files: dict[str, Any] = {}
@@ -640,12 +660,13 @@ def checkpoint_root(job: JobSpec, run_dir: str | os.PathLike[str]) -> Path:
     return run_dir / "checkpoints"
 
 
-def resume_run_dir(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+def resume_run_dir(run_dir: str | os.PathLike[str], *, job: JobSpec | None = None,
+                   plan: Plan | None = None) -> dict[str, Any]:
     """For ``milehpc submit --resume RUN_DIR`` (login node, no torch): check that ``RUN_DIR`` is a milehpc run
-    dir, that the newest complete checkpoint fits its layout, and say what the resubmitted job will resume
-    from. Returns ``{"run_dir", "job_script", "checkpoint" (path or None), "step" (or None), "meta"}``;
-    raises a one-line MilehpcError otherwise. The caller resubmits ``job_script`` unchanged (its ranks resume
-    automatically because ``checkpoint.resume`` is on)."""
+    dir and that its newest complete checkpoint fits the layout the job will run with (``job``/``plan`` when the
+    caller re-planned it, else the run dir's own job.json/plan.json), and say what the resubmitted job will
+    resume from. Returns ``{"run_dir", "job_script", "checkpoint" (path or None), "step" (or None), "meta"}``;
+    raises a one-line MilehpcError otherwise. The ranks then resume by themselves (``checkpoint.resume``)."""
     from milehpc.config.job import JobSpec
     from milehpc.config.schema import build
     from milehpc.plan import Plan
@@ -656,8 +677,10 @@ def resume_run_dir(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise MilehpcError("not a milehpc run dir (no job.json); give the directory `milehpc submit` created",
                            file=str(run_dir))
     try:
-        job = build(JobSpec, json.loads(job_json.read_text(encoding="utf-8")), file=str(job_json))
-        plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text(encoding="utf-8")))
+        if job is None:
+            job = build(JobSpec, json.loads(job_json.read_text(encoding="utf-8")), file=str(job_json))
+        if plan is None:
+            plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError) as err:
         raise MilehpcError(f"cannot read the run's job/plan ({err.__class__.__name__}: {err})",
                            file=str(run_dir)) from None
@@ -673,7 +696,6 @@ def resume_run_dir(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         check_layout(newest.manifest.get("layout"), layout_record(job, plan), where=str(newest.path / MANIFEST))
         out.update(checkpoint=str(newest.path), step=newest.step, meta=newest.meta)
     return out
-
 
 
 # ---- the RL loop's checkpointing -------------------------------------------------------------------------

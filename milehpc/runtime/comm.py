@@ -108,11 +108,11 @@ class WeightSyncGroup:
     address: str
     port: int
     device: Any
-    pg: Any
-    store: Any
-    comms: Comms
+    pg: Any = field(repr=False)
+    store: Any = field(repr=False)
+    comms: Comms = field(repr=False)
     version: int = -1  # the last weight version sent (source) or received (rollout)
-    buffers: list[Any] = field(default_factory=list)  # two reused byte buffers (weights.py double-buffers)
+    buffers: list[Any] = field(default_factory=list, repr=False)  # two reused byte buffers (weights.py)
 
     @property
     def group_rank(self) -> int:
@@ -132,17 +132,24 @@ class WeightSyncGroup:
         return self.pg.broadcast([tensor], opts)
 
     def wait(self, work: Any, what: str, timeout: float | None = None) -> None:
-        """Wait for a broadcast with a deadline; a dead or stuck member ends it with a message naming the rank."""
+        """Wait for a broadcast with a deadline; a dead or stuck member ends it with a message naming the rank.
+
+        Waits in slices of at most 1 s on the backend's own condition variable (woken the moment the op completes,
+        no polling latency per bucket) and checks between slices whether another rank reported a failure."""
         timeout = self.comms.timeout if timeout is None else timeout
-        peers = [r for r in self.ranks if r != self.rank]
-        try:
-            self.comms.poll(work.is_completed, timeout,
-                            lambda: f"{what}: not complete after {timeout:.0f} s (group of {_ranks_text(peers)})")
-            work.wait()  # raises the backend's error, if any
-        except RuntimeFailure:
-            raise
-        except Exception as err:  # noqa: BLE001 - gloo/NCCL errors: find out who is gone before reporting
-            raise self.comms.explain(err, what) from None
+        deadline = time.monotonic() + timeout
+        while True:
+            self.comms.check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                peers = [r for r in self.ranks if r != self.rank]
+                raise self.comms.fail(f"{what}: not complete after {timeout:.0f} s (group of {_ranks_text(peers)})")
+            try:
+                work.wait(timedelta(seconds=min(left, 1.0)))
+                return
+            except RuntimeError as err:  # a slice ran out, or the op failed (a peer died: let the watchdog say who)
+                if work.is_completed() or "timed out" not in str(err).lower():
+                    raise self.comms.explain(err, what) from None
 
 
 @dataclass

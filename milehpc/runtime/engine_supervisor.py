@@ -20,6 +20,7 @@ prompts_requeued, duplicates_dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -301,7 +302,14 @@ class EngineSupervisor:
                         s.group = position[pid]
                 results[pid] = got
                 self.ledger.completed.add(pid)
-        return [s for pid in ids for s in results[pid]]
+        out = [s for pid in ids for s in results[pid]]
+        if samples is not None:
+            # Engines continue partial rollouts in place (the caller keeps its Sample objects): copy back.
+            for original, new in zip(items, out, strict=True):
+                for f in dataclasses.fields(new):
+                    setattr(original, f.name, getattr(new, f.name))
+            return samples
+        return out
 
     # ---- recovery ----------------------------------------------------------------------------------
     def _engine_state(self) -> dict[str, Any] | None:

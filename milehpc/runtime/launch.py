@@ -123,6 +123,8 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
         code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
         if code == 0 and comms is not None:
             comms.close()
+            if rank == 0:
+                _mark_done(run_dir)
             return
         _fail(comms, rank, f"exited with status {code} (sys.exit in the entry)", code or 1)
     except (Exception, KeyboardInterrupt) as err:  # a bug or an interrupt: show where, and end the others too

@@ -494,9 +494,7 @@ def run_local(job: JobSpec, run_dir: str | Path | None = None, *, progress: bool
             metrics = rollout_metrics(stats)
             groups, st = side.filter_stale(groups)
             metrics.update(st)
-            counts = comms.allgather(len(groups), everyone, what=f"step {step} group counts")
-            # A rank without data cannot join the gradient all-reduce: then nobody trains this step.
-            metrics.update(side.train(step, _samples(groups) if min(counts) > 0 else []))
+            metrics.update(side.train(step, _samples(groups)))
             t1 = time.perf_counter()
             rollout.load_weights(trainer.export_weights(), trainer.version)
             metrics["time/sync"] = time.perf_counter() - t1

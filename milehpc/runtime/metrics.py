@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 # Shown in the progress line, in this order, when present: (metric key, label, format).
-PROGRESS = (("rollout/reward_mean", "reward", "{:.3f}"), ("train/kl", "kl", "{:.4f}"),
+PROGRESS = (("rollout/reward_mean", "reward", "{:.3f}"), ("train/actor/kl", "kl", "{:.4f}"),
             ("perf/tokens_per_s", "tok/s", "{:.0f}"), ("time/step", "step s", "{:.2f}"))
 
 
@@ -103,7 +103,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_rewards(run_dir: str | Path, out: str | Path | None = None, key: str = "rollout/reward_mean") -> Path:
-    """A PNG of the reward curve (and its std band when logged); returns its path."""
+    """A PNG of the reward curve (per step, and its moving average); returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,12 +117,10 @@ def plot_rewards(run_dir: str | Path, out: str | Path | None = None, key: str = 
     steps = [r["step"] for r in records]
     mean = [r[key] for r in records]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, mean, label=key)
-    std_key = key.replace("_mean", "_std")
-    if all(std_key in r for r in records) and std_key != key:
-        lo = [m - r[std_key] for m, r in zip(mean, records, strict=True)]
-        hi = [m + r[std_key] for m, r in zip(mean, records, strict=True)]
-        ax.fill_between(steps, lo, hi, alpha=0.2)
+    ax.plot(steps, mean, alpha=0.35, linewidth=0.8, label=f"{key} (per step)")
+    window = max(1, min(10, len(mean) // 5))
+    smooth = [sum(mean[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(mean))]
+    ax.plot(steps, smooth, linewidth=2.0, label=f"mean of last {window} steps")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title(Path(run_dir).name)

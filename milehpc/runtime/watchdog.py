@@ -124,6 +124,7 @@ class Watchdog:
         last_seen = time.monotonic()
         pending: list[Any] = []
         failed_at: float | None = None
+        warned = False
         while not self._stop.is_set():
             now = time.monotonic()
             try:
@@ -159,6 +160,10 @@ class Watchdog:
                                  dead)
                 else:
                     self.declare(f"MPI error in the liveness checks: {err}")
+            except Exception as err:  # noqa: BLE001 - a bug here must not silently stop the checks
+                if not warned:
+                    report(self.rank, f"warning: liveness check error (continuing): {err!r}")
+                    warned = True
             if self.failure is not None:
                 failed_at = failed_at or now
                 if now - failed_at >= self.grace:
@@ -181,7 +186,8 @@ def failed_ranks(comm: Any) -> set[int]:
 
 
 def report(rank: int, message: str) -> None:
-    print(f"milehpc: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    prefix = "" if message.startswith("warning:") else "error: "
+    print(f"milehpc: {prefix}rank {rank}: {message}", file=sys.stderr, flush=True)
 
 
 def default_on_failure(dog: Watchdog) -> None:

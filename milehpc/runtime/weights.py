@@ -5,9 +5,11 @@ Protocol (one call on the source and every rollout rank of a ``WeightSyncGroup``
 1. metadata over MPI: version, and per tensor its name, dtype, shape, bucket and byte offset;
 2. the bytes by broadcast on the group's torch backend (NCCL/RCCL on GPUs, gloo on CPU), bucket by bucket. Small
    tensors of any dtype are packed, as bytes, into one flat ``uint8`` bucket (each at a 64-byte aligned offset so
-   the receiver can view it back as its dtype without copying); a tensor of at least ``direct_bytes`` is sent on its
-   own, zero-copy. The source packs bucket k+1 while bucket k is on the wire; the receiver posts bucket k+1 before
-   handing the tensors of bucket k to the engine.
+   the receiver can view it back as its dtype without copying) of at most ``bucket_bytes`` (default 512 MiB); a
+   tensor of at least ``min(bucket_bytes, 1 MiB)`` is sent on its own, zero-copy (packing it would only add a copy:
+   bench/weight_sync.py). The source packs bucket k+1 while bucket k is on the wire; the receiver posts bucket k+1
+   before handing the tensors of bucket k to the engine. Both sides reuse two byte buffers per group (bounded
+   memory, no fresh pages on every sync).
 
 A converter (plugin kind ``converter``) maps trainer names/layout to the engine's first (identity when the formats
 agree). Colocated runs skip all of this and load the trainer's tensors into the engine in place.

@@ -269,3 +269,19 @@ def local_shard(full: dict[str, torch.Tensor], local_names: Iterable[str], *, tp
         else:
             out[local] = tp_split(local, full[global_name], tp)[tp_rank]
     return out
+
+
+def megatron_to_hf(named_tensors: Iterable[tuple[str, torch.Tensor | list[torch.Tensor]]], *, hf_config: Any = None,
+                   arch: Arch | None = None, moe_layout: str = "transformers", tp: int = 1,
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The "megatron-to-hf" weight converter plugin: full Megatron tensors with global layer indices (or, for
+    ``tp`` > 1, the list of a tensor's TP shards, gathered here) -> HF names and layouts. The model is given as an
+    HF config or an :class:`~milehpc.train.megatron.model.Arch`."""
+    from milehpc.train.megatron.model import arch_of
+
+    if arch is None:
+        if hf_config is None:
+            raise ValueError("megatron-to-hf needs the model: hf_config= or arch=")
+        arch = arch_of(hf_config)
+    named = ((n, tp_gather(n, list(t)) if isinstance(t, list | tuple) else t) for n, t in named_tensors)
+    yield from to_hf(named, arch, moe_layout=moe_layout)

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from milehpc.errors import ConfigError
 from milehpc.rollout.sample import Sample
 
 if TYPE_CHECKING:
@@ -40,6 +41,13 @@ _MASKED_LOGIT = -1e9  # padded vocabulary columns (finite: 0 * it stays 0 in the
 def init_parallel(tp: int, pp: int, ep: int = 1, *, timeout_s: float = 600.0, seed: int = 0, moe: bool = False,
                   ) -> None:
     """Megatron's parallel state from the already-initialised default process group (idempotent)."""
+    import warnings
+
+    # Megatron warns at import and build time about Apex/TE being absent and deprecated knobs: noise in every
+    # rank's log for the (intended) local layer spec.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.")
+
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -54,10 +62,11 @@ def init_parallel(tp: int, pp: int, ep: int = 1, *, timeout_s: float = 600.0, se
     if world % (tp * pp):
         raise RuntimeError(f"megatron trainer: trainer world size {world} is not a multiple of tp*pp={tp * pp}")
     if ps.model_parallel_is_initialized():
-        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
-            ps.destroy_model_parallel()
-        else:
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size())
+        if have == (tp, pp, ep):
             return
+        ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         # Experts whole on each rank (EP splits them; TP does not), which keeps conversion simple.
@@ -120,12 +129,20 @@ class MegatronTrainer:
             algorithm = Algorithm.from_job(job)
         self.algorithm = algorithm
         if getattr(algorithm, "needs_critic", False) or getattr(algorithm, "needs_ref", False):
-            raise ValueError("trainer.backend = 'megatron' does not support a critic or a KL reference model yet; "
-                             "use algorithm.kl_coef = 0 and a critic-free estimator, or trainer.backend = 'torch'")
+            raise ConfigError("expected a critic-free estimator and kl_coef = 0 with trainer.backend = 'megatron' "
+                              "(no critic or KL reference model there yet; trainer.backend = 'torch' has them)",
+                              field="algorithm")
         if hf_config is None:
             hf_config = hf_model.config if hf_model is not None else mm.hf_config_for(
                 job.model, vocab_size, pad_id=pad_id, eos_id=eos_id)
         self.arch = mm.arch_of(hf_config)
+        if self.arch.is_moe and tr.tp > 1:
+            # Megatron trains MoE with TP only together with sequence parallelism (transformer-engine/Apex).
+            raise ConfigError("expected trainer.tp = 1 for a mixture of experts (split experts with trainer.ep)",
+                              field="trainer.tp")
+        if self.arch.is_moe and self.arch.num_experts % tr.ep:
+            raise ConfigError(f"expected trainer.ep to divide the {self.arch.num_experts} experts, got {tr.ep}",
+                              field="trainer.ep")
         self.replay = bool(tr.options.get("routing_replay", False)) and self.arch.is_moe
         init_parallel(tr.tp, tr.pp, tr.ep, timeout_s=job.resources.collective_timeout_s, seed=job.run.seed,
                       moe=self.arch.is_moe)
@@ -188,8 +205,11 @@ class MegatronTrainer:
             raise RuntimeError(f"megatron trainer: converted HF weights do not fit the model: {bad[:5]}")
 
     def _wrap(self) -> tuple[Any, Any]:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
-            finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         tr = self.job.trainer
@@ -228,9 +248,16 @@ class MegatronTrainer:
         return [Sample.from_dict(d) for part in lists for d in part]
 
     def _batch(self, samples: list[Sample]) -> Batch:
+        """Padded tensors; the routed experts are read from the samples themselves (see :meth:`_replay_tensors`,
+        which also accepts full-sequence routing), so they are left out of the batch tensors."""
+        import dataclasses
+
         from milehpc.rollout.batch import to_batch
 
-        return to_batch(samples, self.pad_id).to(self.device)
+        plain = [dataclasses.replace(s, routed_experts=None) if s.routed_experts else s for s in samples]
+        batch = to_batch(plain, self.pad_id).to(self.device)
+        batch.samples = list(samples)
+        return batch
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
         """Equal-sized micro-batches (PP sends fixed shapes): the last one is padded with fully masked rows."""
@@ -255,8 +282,12 @@ class MegatronTrainer:
     # ---- forward through the schedule --------------------------------------------------------------------
     def _replay_tensors(self, mb: Batch) -> list[torch.Tensor]:
         """This stage's routing-replay indices of one micro-batch: per local MoE layer ``[T * B, k]`` in the
-        router's token order (sequence-major). Positions without recorded routing (padding, the last token)
-        get experts 0..k-1; they feed nothing that is trained on."""
+        router's token order (sequence-major).
+
+        ``Sample.routed_experts`` may cover every input position (``P + R - 1`` or ``P + R`` entries, from the first
+        prompt token: full R3, what SGLang's routed-experts output gives) or only the ``R`` positions that produced
+        the response tokens (``P - 1 .. P + R - 2``; the other prompt positions then route freely). Positions
+        without a record (padding, the last token) get experts 0..k-1; they feed nothing that is trained on."""
         import torch
 
         b, t = mb.input_ids.shape
@@ -267,7 +298,17 @@ class MegatronTrainer:
             if s is None or not s.routed_experts:
                 continue
             rec = torch.as_tensor(s.routed_experts, dtype=torch.long)  # [tokens, L_total, k]
-            start = width - len(s.prompt_ids)
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            if rec.shape[0] == r and r != p + r - 1:
+                start = width - 1
+            elif rec.shape[0] in (p + r - 1, p + r):
+                start = width - p
+            else:
+                raise ValueError(f"sample {s.index}: routed_experts has {rec.shape[0]} entries; expected {r} "
+                                 f"(response positions) or {p + r - 1} (every input position)")
+            if rec.shape[1:] != (self.arch.num_layers, k):
+                raise ValueError(f"sample {s.index}: routed_experts entries are {tuple(rec.shape[1:])}, expected "
+                                 f"(layers, top_k) = ({self.arch.num_layers}, {k})")
             n = min(rec.shape[0], t - start)
             idx[start:start + n, i] = rec[:n, self.layer_offset:self.layer_offset + layers]
         return [idx[:, :, j].reshape(t * b, k).to(self.device) for j in range(layers)]
@@ -456,7 +497,6 @@ class MegatronTrainer:
 
     def sft_step(self, samples: list[Sample], optimizer: Any) -> dict[str, float]:
         """One supervised step: token-mean NLL of the responses over the global token count."""
-        import torch
 
         samples = self._replica_samples(samples)
         batch = self._batch(samples)
@@ -486,7 +526,6 @@ class MegatronTrainer:
     def export_weights(self, *, moe_layout: str = "transformers") -> list[tuple[str, torch.Tensor]]:
         """Collective over the trainer ranks: this PP stage's weights in HF names on the stage leader (tp=0,
         dp=0); an empty list elsewhere. TP shards are gathered over the TP group, experts over the EP group."""
-        import torch
 
         from milehpc.train.megatron import convert
 
@@ -526,20 +565,45 @@ class MegatronTrainer:
         return parts
 
     # ---- checkpoint ----------------------------------------------------------------------------------------
+    # Set by from_context to <checkpoint dir>/megatron: checkpoints then go through dist_checkpointing (resharding).
+    dist_checkpoint_root: Any = None
+
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """This rank's shard as trained (same layout resumes bit-exactly). For resuming at another TP/PP size use
-        :func:`milehpc.train.megatron.checkpoint.save` / ``load`` (megatron dist_checkpointing)."""
+        """Collective over the trainer ranks. With a checkpoint root: model and optimizer go into a
+        dist_checkpointing directory (``v<steps>``, resumable at another TP/PP/DP layout) and this rank's state
+        only references it; without one: this rank's shard as trained (same layout only). Both resume
+        bit-exactly."""
         import torch
 
-        return {"model": {k: v for k, v in self.ddp.state_dict().items() if not k.endswith("_extra_state")},
-                "optimizer": self.optimizer.state_dict(), "version": self.version, "steps": self.steps,
-                "rng_tracker": _tracker_states(), "cpu_rng": torch.get_rng_state()}
+        from milehpc.train.megatron import checkpoint
+
+        state: dict[str, Any] = {"version": self.version, "steps": self.steps, "rng_tracker": _tracker_states(),
+                                 "cpu_rng": torch.get_rng_state()}
+        if self.dist_checkpoint_root is not None:
+            from pathlib import Path
+
+            root = Path(self.dist_checkpoint_root)
+            path = checkpoint.save(self, root / f"v{self.steps:08d}")
+            if torch.distributed.get_rank() == 0:
+                # The newest `keep` milehpc checkpoints reference at most `keep` of these, plus the one being
+                # written; older ones are unreferenced.
+                checkpoint.prune(root, self.job.checkpoint.keep + 1)
+            state["dist_checkpoint"] = str(path)
+            return state
+        state["model"] = {k: v for k, v in self.ddp.state_dict().items() if not k.endswith("_extra_state")}
+        state["optimizer"] = self.optimizer.state_dict()
+        return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         import torch
 
-        self.ddp.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        from milehpc.train.megatron import checkpoint
+
+        if "dist_checkpoint" in state:
+            checkpoint.load(self, state["dist_checkpoint"])
+        else:
+            self.ddp.load_state_dict(state["model"], strict=False)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.version, self.steps = int(state["version"]), int(state["steps"])
         _set_tracker_states(state.get("rng_tracker"))
         torch.set_rng_state(state["cpu_rng"])
@@ -573,12 +637,11 @@ def _set_tracker_states(states: dict[str, Any] | None) -> None:
 
 def from_context(ctx: Any) -> MegatronTrainer:
     """Trainer factory (``impl(ctx)``) for ``trainer.backend = "megatron"``."""
-    from milehpc.data.tokenizer import build_tokenizer
-
     import dataclasses
 
     from milehpc import plugins
     from milehpc.config.schema import check_params
+    from milehpc.data.tokenizer import build_tokenizer
 
     job = ctx.job
     spec = plugins.lookup("trainer", job.trainer.backend)
@@ -587,4 +650,9 @@ def from_context(ctx: Any) -> MegatronTrainer:
     tok = build_tokenizer(job.model.tokenizer)
     trainer = MegatronTrainer(job, pad_id=tok.pad_id, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
     trainer.tokenizer = tok
+    run_dir = getattr(ctx, "run_dir", None)
+    if run_dir is not None:
+        from milehpc.runtime.checkpoint import checkpoint_root
+
+        trainer.dist_checkpoint_root = checkpoint_root(job, run_dir) / "megatron"
     return trainer
