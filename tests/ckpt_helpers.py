@@ -31,10 +31,19 @@ def slow_toy_match(samples: list[Any], partial: float = 1.0) -> list[float]:
 slow_toy_match.reward_kind = "batch"  # type: ignore[attr-defined]
 
 
-def job_toml(steps: int, *, extra: str = "", env: dict[str, str] | None = None, time_limit: str = "01:00:00") -> str:
-    """1 trainer + 1 rollout rank, sync loop, partial rollouts, KL, cosine LR: every piece of state matters."""
+def job_toml(steps: int, *, extra: str = "", env: dict[str, str] | None = None, time_limit: str = "01:00:00",
+             add: dict[str, str] | None = None) -> str:
+    """1 trainer + 1 rollout rank, sync loop, partial rollouts, KL, cosine LR: every piece of state matters.
+    ``add`` = {table: lines} puts more keys into a table."""
     env_lines = "\n".join(f'{k} = "{v}"' for k, v in {"PYTHONPATH": str(HERE), **(env or {})}.items())
-    return f"""
+    text = _JOB.format(steps=steps, time_limit=time_limit, extra=extra, env_lines=env_lines)
+    for table, lines in (add or {}).items():
+        assert f"[{table}]\n" in text, table
+        text = text.replace(f"[{table}]\n", f"[{table}]\n{lines.strip()}\n", 1)
+    return text
+
+
+_JOB = """
 name = "ckpt-job"
 [model]
 hidden_size = 32

@@ -7,6 +7,7 @@ Megatron's parallel state out of the same 2-rank world):
 
 * ``logits``  — TP=2: the Megatron model built from HF weights vs the HF model: logits (gathered over TP),
   per-token logprobs and entropy from the vocab-parallel path; the export at TP=2 round-trips the HF weights.
+* ``path``    — the model from a local HF checkpoint folder (``model.path``).
 * ``ckpt``    — dist_checkpointing with the distributed optimizer: save at TP=2, resume at TP=2 (bit-exact next
   step) and at TP=1 x DP=2 (resharded).
 * ``replay``  — MoE (Qwen2-MoE: 4 experts, top-2, shared expert), EP=2: routing recorded by an HF "engine" one
@@ -103,6 +104,22 @@ def check_logits(comm: Any) -> dict[str, Any]:
         out[f"{arch}_entropy_maxdiff"] = float((ent - ref_ent)[m].abs().max())
         out[f"{arch}_padded_vocab"] = int(shard.shape[-1] * 2)
     return out
+
+
+def check_from_path(comm: Any, work: str) -> dict[str, Any]:
+    """model.path: the trainer reads the HF checkpoint folder (config + weights) instead of the [model] table."""
+    from milehpc.train.megatron.trainer import MegatronTrainer
+    from milehpc.train.model import build_model
+
+    folder = f"{work}/hf-llama"
+    hf = build_model(_job(model={"arch": "llama"}).model, V, seed=11)
+    if comm.Get_rank() == 0:
+        hf.save_pretrained(folder)
+    comm.Barrier()
+    job = _job(tp=2, model={"path": folder, "hidden_size": 8, "num_layers": 1})  # the table is ignored
+    tr = MegatronTrainer(job, pad_id=0, vocab_size=V)
+    return {"path_layers": tr.arch.num_layers, "path_export_vs_hf": _maxdiff(_full_weights(comm, tr),
+                                                                             dict(hf.state_dict()))}
 
 
 def check_ckpt(comm: Any, work: str) -> dict[str, Any]:
@@ -210,6 +227,7 @@ def main() -> None:
                             world_size=comm.Get_size())
     results: dict[str, Any] = {"world_size": dist.get_world_size()}
     results["logits"] = check_logits(comm)
+    results["path"] = check_from_path(comm, work)
     results["ckpt"] = check_ckpt(comm, work)
     results["replay"] = check_replay(comm)
     if comm.Get_rank() == 0:

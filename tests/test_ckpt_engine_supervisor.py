@@ -69,6 +69,7 @@ def _run(job: JobSpec, *, kill_on_call: int) -> tuple[list, EngineSupervisor, li
         sup.shutdown()
 
 
+@pytest.mark.slow
 def test_killed_reference_engine_recovers_without_losing_or_duplicating_prompts(job: JobSpec) -> None:
     out, sup, pids = _run(job, kill_on_call=3)
     stats = sup.stats()

@@ -118,7 +118,7 @@ def test_request_is_polled_only_by_rank_zero_and_acknowledged(tmp_path: Path,
     assert w0.requested()  # only rank 0 consumes it
     w0.acknowledge(4, tmp_path / "ck")
     assert not w0.requested()
-    done = json.loads(signals.done_path(tmp_path).read_text())
+    done = json.loads(signals.checkpointed_path(tmp_path).read_text())
     assert done["step"] == 4 and done["restart_count"] == 2 and done["checkpoint"].endswith("ck")
     assert oct((tmp_path / ".milehpc").stat().st_mode & 0o777) == "0o700"
 

@@ -71,7 +71,7 @@ def _run_interrupted(run_dir: Path, stops: list[int]) -> int:
             except signals.RequeueExit as err:
                 assert err.exit_code == signals.EXIT_REQUEUE == 75
                 assert not signals.request_path(run_dir).exists()  # consumed
-                assert signals.done_path(run_dir).is_file()
+                assert signals.checkpointed_path(run_dir).is_file()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -84,6 +84,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return _final_params(run_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interruptions", [1, 2])
 def test_interrupted_sync_loop_ends_bitwise_equal(tmp_path: Path, reference: dict[str, torch.Tensor],
                                                   interruptions: int) -> None:

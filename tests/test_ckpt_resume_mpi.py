@@ -27,11 +27,24 @@ def _log(run_dir: Path) -> str:
     return (run_dir / "logs" / "job.out").read_text(errors="replace")
 
 
-def test_signalled_mpi_job_checkpoints_exits_75_and_resumes_bitwise(tmp_path: Path) -> None:
-    ref_dir = prepare_local(tmp_path, "uninterrupted", job_toml(STEPS, extra="[checkpoint]\nkeep = 2"))
-    run_dir = prepare_local(tmp_path, "interrupted", job_toml(STEPS, extra="[checkpoint]\nkeep = 2",
-                                                              env={"MILEHPC_TEST_REWARD_DELAY": "0.1"}))
-    assert json.loads((run_dir / "plan.json").read_text())["world_size"] == 2
+LAYOUTS = {
+    # 1 trainer + 1 rollout rank: the rollout rank runs ahead; its unsent/untrained batches are in the checkpoint
+    "separate": {},
+    # every rank both (DP=2 over gloo, one engine per rank): trainer and rollout state in each rank's shard
+    "colocated": {"resources": "colocate = true", "trainer": "dp = 2", "rollout": "engines = 2"},
+}
+
+
+def _toml(layout: str, **kw: object) -> str:
+    return job_toml(STEPS, extra="[checkpoint]\nkeep = 2", add=LAYOUTS[layout], **kw)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_signalled_mpi_job_checkpoints_exits_75_and_resumes_bitwise(tmp_path: Path, layout: str) -> None:
+    ref_dir = prepare_local(tmp_path, "uninterrupted", _toml(layout))
+    run_dir = prepare_local(tmp_path, "interrupted", _toml(layout, env={"MILEHPC_TEST_REWARD_DELAY": "0.1"}))
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["colocated"] == (layout == "colocated")
     ref = start_script(ref_dir)  # side by side with the interrupted run
     stop_after = random.Random(os.getpid()).randint(2, STEPS // 2)
     job = start_script(run_dir)
@@ -46,11 +59,11 @@ def test_signalled_mpi_job_checkpoints_exits_75_and_resumes_bitwise(tmp_path: Pa
     finally:
         if job.poll() is None:
             job.kill()
-    done = json.loads(signals.done_path(run_dir).read_text())
+    done = json.loads(signals.checkpointed_path(run_dir).read_text())
     assert stop_after < done["step"] < STEPS, (stop_after, done)
     assert not signals.request_path(run_dir).exists()
     manifest = json.loads((Path(done["checkpoint"]) / "manifest.json").read_text())
-    # both ranks wrote their shard: the trainer's model/optimizer, the rollout rank's engine RNG, cursor, outbox
+    # both ranks wrote their shard: the trainer's model/optimizer, the rollout side's engine RNG, cursor, outbox
     assert {"rank-00000.pt", "rank-00001.pt", "rank-00001.h5"} <= set(manifest["files"])
     assert manifest["layout"]["parallel"]["world_size"] == 2
     assert resume_run_dir(run_dir)["step"] == done["step"]

@@ -51,6 +51,11 @@ def test_megatron_logits_match_hf_at_tp2(checks: dict) -> None:
         assert got[f"{arch}_entropy_maxdiff"] < 5e-6
 
 
+def test_model_from_a_local_hf_checkpoint(checks: dict) -> None:
+    assert checks["path"]["path_layers"] == 2  # from the folder's config.json, not the job's [model] table
+    assert checks["path"]["path_export_vs_hf"] == 0.0
+
+
 def test_dist_checkpoint_resume_is_bit_exact_and_reshards(checks: dict) -> None:
     got = checks["ckpt"]
     assert got["tp2_version"] == 2

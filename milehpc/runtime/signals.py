@@ -16,11 +16,12 @@ Paths (``RUN_DIR`` = the run directory, shared by all nodes; ``CTL = RUN_DIR/.mi
    same one that agrees on interval checkpoints, :meth:`Checkpointer.at_step_end`), so every rank checkpoints
    after the same step.
 3. The ranks then write a checkpoint (collective, atomic: :mod:`milehpc.runtime.checkpoint`). After it is
-   committed rank 0 writes ``CTL/checkpointed`` (:data:`DONE_FILE`: JSON ``{"step", "checkpoint", "time",
+   committed rank 0 writes ``CTL/checkpointed`` (:data:`CHECKPOINTED_FILE`: JSON ``{"step", "checkpoint", "time",
    "restart_count"}``) and deletes the request file.
 4. Every rank exits with **:data:`EXIT_REQUEUE` = 75** ("checkpointed, requeue me"; EX_TEMPFAIL). Exit 0 means
-   the run finished (a request that arrives during the last step is ignored: nothing is left to do); any other
-   code is a failure.
+   the run finished (a request that arrives during the last step is ignored: nothing is left to do; rank 0 then
+   touches ``CTL/step-done``, ``milehpc.render.script.DONE_FILE``, so that the script can tell a real finish from
+   a launcher that exited 0 without running the ranks); any other code is a failure.
 5. The job script waits for the launch step (``wait`` returns early when a trapped signal arrives: wait again
    until the step itself has ended), and if its status is 75 and ``SLURM_RESTART_COUNT`` (0 on the first run)
    is below ``checkpoint.max_restarts``, runs ``scontrol requeue "$SLURM_JOB_ID"``; otherwise it exits with
@@ -50,7 +51,7 @@ from milehpc.errors import MilehpcError
 
 CONTROL_DIR = ".milehpc"
 REQUEST_FILE = f"{CONTROL_DIR}/checkpoint-request"
-DONE_FILE = f"{CONTROL_DIR}/checkpointed"
+CHECKPOINTED_FILE = f"{CONTROL_DIR}/checkpointed"
 EXIT_REQUEUE = 75
 
 
@@ -58,8 +59,8 @@ def request_path(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / REQUEST_FILE
 
 
-def done_path(run_dir: str | os.PathLike[str]) -> Path:
-    return Path(run_dir) / DONE_FILE
+def checkpointed_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / CHECKPOINTED_FILE
 
 
 def request_checkpoint(run_dir: str | os.PathLike[str], reason: str = "requested") -> Path:
@@ -103,7 +104,7 @@ class RequestWatcher:
         """After the requeue checkpoint is committed: rank 0 records it and consumes the request."""
         if self.rank != 0:
             return
-        done = done_path(self.run_dir)
+        done = checkpointed_path(self.run_dir)
         done.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         record: dict[str, Any] = {"step": step, "checkpoint": str(checkpoint), "time": time.time(),
                                   "restart_count": restart_count()}

@@ -13,7 +13,9 @@ shared/notes/gpu-stack-on-cpu.md):
   ``Tensor.type()`` with the CUDA type name Megatron expects, and makes ``Tensor.cuda()`` a no-op.
 
 :func:`apply` does all of this once per process and only when ``torch.cuda.is_available()`` is False; it is never
-applied on GPU runs. Cost: ~20% on a tiny model (the function mode sees every torch call).
+applied on GPU runs. Cost (shared notes): ~20% on a tiny model, since the function mode sees every torch call.
+Not adapted, chosen around instead: the MoE ``alltoall`` token dispatcher (CUDA streams; the model picks
+``allgather`` on CPU), sequence and context parallelism (need TE/Apex), and the fused kernels (config turns them off).
 """
 
 from __future__ import annotations

@@ -112,8 +112,8 @@ def transformer_config(
     *,
     routing_replay: bool = False,
     use_cpu_initialization: bool = True,
-    seq_length: int | None = None,
 ) -> Any:
+    """Megatron's TransformerConfig for ``arch`` with the job's parallel sizes, precision and options."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
