@@ -24,7 +24,11 @@ class Entry:
 
     spec: Registered
     plugin: str  # the plugin's registered name (entry-point name or module name)
-    distribution: str  # "name version" of the installing distribution, or "-" if registered in code
+
+    @property
+    def distribution(self) -> str:
+        """"name version" of the installing distribution, or "-" if registered in code."""
+        return distributions().get(self.plugin, "-")
 
 
 @lru_cache(maxsize=1)
@@ -41,16 +45,20 @@ def reset_plugin_manager() -> None:
     """Forget the cached manager and registries (tests that register plugins in code use this)."""
     get_plugin_manager.cache_clear()
     _registry.cache_clear()
+    distributions.cache_clear()
 
 
 def register(plugin: Any, name: str | None = None) -> None:
     """Register a plugin object (a module or class with ``@hookimpl`` functions) in this process."""
     get_plugin_manager().register(plugin, name=name)
     _registry.cache_clear()
+    distributions.cache_clear()
 
 
+@lru_cache(maxsize=1)
 def distributions() -> dict[str, str]:
-    """Plugin name -> "distribution version" for plugins loaded from entry points."""
+    """Plugin name -> "distribution version" for plugins loaded from entry points (parsed only when asked:
+    reading every distribution's metadata costs more than the rest of a dry run)."""
     pm = get_plugin_manager()
     out = {}
     for plugin, dist in pm.list_plugin_distinfo():
@@ -62,7 +70,6 @@ def distributions() -> dict[str, str]:
 def _registry(kind: str) -> dict[str, Entry]:
     hook_name, spec_type = KINDS[kind]
     pm = get_plugin_manager()
-    dists = distributions()
     entries: dict[str, Entry] = {}
     for impl in getattr(pm.hook, hook_name).get_hookimpls():
         plugin_name = impl.plugin_name
@@ -76,7 +83,7 @@ def _registry(kind: str) -> dict[str, Entry]:
                 raise PluginError(
                     f"{kind} '{spec.name}' is registered by two plugins: '{other}' and '{plugin_name}'"
                 )
-            entries[spec.name] = Entry(spec, plugin_name, dists.get(plugin_name, "-"))
+            entries[spec.name] = Entry(spec, plugin_name)
     return entries
 
 

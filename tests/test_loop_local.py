@@ -263,3 +263,17 @@ def test_run_command_rejects_bad_input_in_one_line(tmp_path) -> None:
     res = CliRunner().invoke(cli, ["run", str(job), "--site", "local", "--run-dir", str(tmp_path / "r")])
     assert res.exit_code == 2 and "trainer.lr" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "r").exists()
+
+
+def test_loop_settings_that_do_not_fit_together_are_one_line_errors() -> None:
+    from milehpc.errors import ConfigError
+    from milehpc.runtime.loop import check_job
+
+    with pytest.raises(ConfigError, match="off_policy_correction") as err:
+        check_job(tiny_job(run={"loop": "async", "stale_policy": "correct"}), file="job.toml")
+    assert "run.stale_policy" in str(err.value) and "job.toml" in str(err.value)
+    check_job(tiny_job(run={"loop": "async", "stale_policy": "correct"}, algorithm={"off_policy_correction": "tis"}))
+    with pytest.raises(ConfigError, match="custom generator"):
+        check_job(tiny_job(rollout={"generator": "toy_retry", "partial_rollout": True}))
+    with pytest.raises(ConfigError, match="single-process run supports only"):
+        run_local(tiny_job(run={"loop": "one_step_off"}))

@@ -31,7 +31,7 @@ def run_job(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_di
 
 
 def summary(run_dir: Path) -> str:
-    """One line: first and last mean reward, steps, wall time (from metrics.jsonl)."""
+    """One line: mean reward of the first and of the last 10 steps, steps, wall time (from metrics.jsonl)."""
     from milehpc.runtime.metrics import read_metrics
 
     try:
@@ -40,10 +40,11 @@ def summary(run_dir: Path) -> str:
         return ""
     if not records:
         return ""
-    first, last = records[0], records[-1]
-    best = max(r["rollout/reward_mean"] for r in records)
-    return (f"reward {first['rollout/reward_mean']:.3f} -> {last['rollout/reward_mean']:.3f} (best {best:.3f}) "
-            f"over {len(records)} steps in {last.get('time/elapsed', last['time']):.0f}s; "
+    rewards = [r["rollout/reward_mean"] for r in records]
+    k = min(10, len(rewards))
+    last = records[-1]
+    return (f"mean reward {sum(rewards[:k]) / k:.3f} (first {k} steps) -> {sum(rewards[-k:]) / k:.3f} (last {k}), "
+            f"best step {max(rewards):.3f}; {len(records)} steps in {last.get('time/elapsed', last['time']):.0f}s; "
             f"metrics {run_dir / 'metrics.jsonl'}, TensorBoard {run_dir / 'tensorboard'}")
 
 
