@@ -64,7 +64,7 @@ def cli() -> None:
 
 
 @cli.command(context_settings=CONTEXT)
-@click.argument("job_file", metavar="JOB.toml", type=click.Path(dir_okay=False))
+@click.argument("job_file", metavar="[JOB.toml]", required=False, type=click.Path(dir_okay=False))
 @site_option
 @set_option
 @run_dir_option
@@ -82,9 +82,12 @@ def submit(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir:
       milehpc submit examples/frontier-grpo.toml --site frontier-like --dry-run
       milehpc submit job.toml --site local-slurm --set trainer.lr=3e-5 --json
       milehpc submit job.toml --site local-slurm --sweep trainer.lr=1e-5,3e-5,1e-4
-      milehpc submit --resume runs/demo-20261129-101500 job.toml --site local-slurm
+      milehpc submit --resume runs/demo-20261129-101500 --site local-slurm --set run.steps=2000
     """
     from milehpc.scheduler import submit as submitting
+
+    if not job_file and not resume:
+        raise MilehpcError("expected a JOB.toml (or --resume RUN_DIR)", field="submit")
 
     result = submitting.submit(job_file, _site(site), overrides, run_dir=run_dir, dry_run=dry_run, resume=resume,
                                after=after, sweep=sweep)
@@ -95,6 +98,10 @@ def submit(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir:
         _emit(result)
     else:
         click.echo(f"submitted job {result['job_id']} ({result['site']}); run directory {result['run_dir']}")
+        if result.get("resume_from"):
+            found = result["resume_from"]
+            click.echo(f"resuming from {found['checkpoint'] or 'the start (no complete checkpoint yet)'}"
+                       + (f" at step {found['step']}" if found["step"] is not None else ""))
 
 
 @cli.command(context_settings=CONTEXT)
@@ -278,6 +285,9 @@ def completion(shell: str) -> None:
 
 
 def main() -> None:
+    from milehpc.runtime.hygiene import install_log_masking
+
+    install_log_masking()  # secrets in the environment never reach what milehpc logs
     cli(prog_name="milehpc")
 
 

@@ -9,6 +9,9 @@ from milehpc.plan import Plan
 # Variables each task needs inside a --cleanenv container: Slurm's rank/step facts, PMI(x) for MPI wire-up,
 # the device masks Slurm set, and milehpc's own. Static site/job variables are added by name.
 FORWARD_PREFIXES = ("SLURM_", "PMIX_", "PMI_", "OMPI_", "MILEHPC_", "MASTER_")
+# Secrets (tokens, keys) are never written into job files: they come from the submitting environment and are
+# passed on by name only (milehpc.runtime.hygiene masks them in what milehpc prints).
+FORWARD_PATTERNS = ("*TOKEN*", "*KEY*", "*SECRET*", "*PASSWORD*")
 FORWARD_NAMES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "PYTHONUNBUFFERED")
 
 

@@ -145,14 +145,14 @@ def render_script(inp: ScriptInputs) -> str:
     container_env = part.containers["apptainer"].env if inp.container_argv and "apptainer" in part.containers else {}
     forward = sorted({*env, *part.env_single_node, *part.env_multi_node, "PYTHONUNBUFFERED"})
     template = "local.sh.j2" if part.scheduler == "local" else "job.sbatch.j2"
-    from milehpc.render.container import FORWARD_NAMES, FORWARD_PREFIXES
+    from milehpc.render.container import FORWARD_NAMES, FORWARD_PATTERNS, FORWARD_PREFIXES
 
     return _environment().get_template(template).render(
         job=job, plan=plan, part=part, run_dir=inp.run_dir, python=inp.python, job_file=inp.job_file,
         sbatch_options=_sbatch_options(inp) if part.scheduler == "slurm" else [],
         env=env, container_env={**container_env, **job.container.env},
         launch=_launch_argv(inp), container=inp.container_argv,
-        forward_case="|".join(f"{p}*" for p in FORWARD_PREFIXES), forward_names=sorted({*FORWARD_NAMES, *forward}),
+        forward_case="|".join([*(f"{p}*" for p in FORWARD_PREFIXES), *FORWARD_PATTERNS]), forward_names=sorted({*FORWARD_NAMES, *forward}),
         request_file=REQUEST_FILE, done_file=DONE_FILE, exit_requeue=EXIT_REQUEUE,
         max_restarts=job.checkpoint.max_restarts,
     )

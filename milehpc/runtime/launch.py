@@ -76,6 +76,9 @@ def _end(code: int, message: str | None, rank: int) -> None:
 
 def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
     """Run this rank of the job in ``run_dir``; returns only on success (see the module docstring)."""
+    from milehpc.runtime.hygiene import install_log_masking
+
+    install_log_masking()
     try:
         job, plan, partition = load_run_dir(run_dir)
     except MilehpcError as err:

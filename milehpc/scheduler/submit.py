@@ -16,14 +16,16 @@ def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir
            sweep: str | None = None) -> dict[str, Any]:
     job = None
     if resume:
-        from milehpc.config.load import job_from_dict
+        from milehpc.config.load import apply_overrides, job_from_dict
 
         rdir = Path(resume)
         spec = rdir / "job.json"
         if not spec.is_file():
             raise ConfigError("not a milehpc run directory (no job.json)", file=str(rdir), field="--resume")
-        job = job_from_dict(json.loads(spec.read_text()), file=str(spec))
+        # The run's own resolved spec, plus any --set (e.g. more run.steps or a longer resources.time).
+        job = job_from_dict(apply_overrides(json.loads(spec.read_text()), overrides), file=str(spec))
         run_dir = str(rdir)
+        job_file = job_file or str(spec)
     if sweep:
         if resume:
             raise ConfigError("a sweep starts new runs; resume each run directory on its own", field="--sweep")
@@ -39,6 +41,12 @@ def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir
         result["script"] = prep.script
         return result
     check_paths(prep.job, job_file)
+    if resume:
+        from milehpc.runtime.checkpoint import resume_run_dir
+
+        # Refuses a checkpoint from an incompatible layout in one line, before anything is rewritten.
+        found = resume_run_dir(prep.run_dir, job=prep.job, plan=prep.plan)
+        result["resume_from"] = {"checkpoint": found["checkpoint"], "step": found["step"]}
     rdir = write_run_dir(prep, resume=bool(resume))
     script = rdir / "job.sbatch"
     if prep.partition.scheduler == "local":

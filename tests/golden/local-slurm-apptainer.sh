@@ -46,7 +46,7 @@ milehpc_rank() {
     local v
     for v in $(compgen -e); do
         case "$v" in
-            SLURM_*|PMIX_*|PMI_*|OMPI_*|MILEHPC_*|MASTER_*) export "APPTAINERENV_$v=${!v}" ;;
+            SLURM_*|PMIX_*|PMI_*|OMPI_*|MILEHPC_*|MASTER_*|*TOKEN*|*KEY*|*SECRET*|*PASSWORD*) export "APPTAINERENV_$v=${!v}" ;;
         esac
     done
     for v in CUDA_VISIBLE_DEVICES GPU_DEVICE_ORDINAL MILEHPC_EXAMPLE OMP_NUM_THREADS PYTHONUNBUFFERED ROCR_VISIBLE_DEVICES; do

@@ -59,7 +59,7 @@ milehpc_rank() {
     local v
     for v in $(compgen -e); do
         case "$v" in
-            SLURM_*|PMIX_*|PMI_*|OMPI_*|MILEHPC_*|MASTER_*) export "APPTAINERENV_$v=${!v}" ;;
+            SLURM_*|PMIX_*|PMI_*|OMPI_*|MILEHPC_*|MASTER_*|*TOKEN*|*KEY*|*SECRET*|*PASSWORD*) export "APPTAINERENV_$v=${!v}" ;;
         esac
     done
     for v in CUDA_VISIBLE_DEVICES FI_CXI_DISABLE_HOST_REGISTER FI_MR_CACHE_MONITOR GPU_DEVICE_ORDINAL MILEHPC_EXAMPLE NCCL_CROSS_NIC NCCL_NET NCCL_NET_GDR_LEVEL NCCL_SOCKET_IFNAME PYTHONUNBUFFERED ROCR_VISIBLE_DEVICES; do
