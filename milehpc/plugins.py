@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import pluggy
@@ -66,7 +66,7 @@ def distributions() -> dict[str, str]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _registry(kind: str) -> dict[str, Entry]:
     hook_name, spec_type = KINDS[kind]
     pm = get_plugin_manager()

@@ -182,6 +182,18 @@ def _ddp_rank(rank: int, world: int, store: str, out_dir: str, modes: list[str])
         loss.backward()  # DDP allreduce-means the gradients
         if rank == 0:
             torch.save(model.weight.grad, Path(out_dir) / f"grad-{mode}.pt")
+    # Batch whitening (REINFORCE++) on each rank's share with the DP reducer = whitening the whole batch.
+    def dp_sum(t):
+        out = t.clone()
+        dist.all_reduce(out)
+        return out
+
+    for advantage in ("reinforce_pp", "reinforce_pp_baseline"):
+        algo = Algorithm.from_spec(AlgorithmSpec(advantage=advantage, loss="ppo_clip"), horizon=8)
+        mine = [i for i in range(len(samples)) if i % world == rank]
+        local = to_batch([samples[i] for i in mine], 0)
+        algo.compute_advantages(local, dp_sum=dp_sum)
+        torch.save({"rows": mine, "adv": local.advantages}, Path(out_dir) / f"{advantage}-{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -205,6 +217,14 @@ def test_ddp_gloo_gradients_equal_single_rank_union(tmp_path):
             pytest.fail("DDP ranks did not finish within 150 s (rank 0 and 1 over gloo)")
     assert len(ctx.processes) == world
     samples, AlgorithmSpec = _ddp_case()
+    for advantage in ("reinforce_pp", "reinforce_pp_baseline"):
+        full = to_batch(samples, 0)
+        Algorithm.from_spec(AlgorithmSpec(advantage=advantage, loss="ppo_clip"), horizon=8).compute_advantages(full)
+        for rank in range(world):
+            got = torch.load(tmp_path / f"{advantage}-{rank}.pt")
+            want = full.advantages[got["rows"]][:, : got["adv"].shape[1]]
+            torch.testing.assert_close(got["adv"], want, rtol=1e-6, atol=1e-6)
+            assert not torch.equal(got["adv"], torch.zeros_like(got["adv"]))
     for mode in modes:
         algo = Algorithm.from_spec(AlgorithmSpec(advantage="grpo", loss="ppo_clip", loss_agg_mode=mode), horizon=8)
         batch = to_batch(samples, 0)

@@ -20,6 +20,9 @@ pass a constant (the rollout's ``max_new_tokens``) so ranks with differently pad
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -96,13 +99,36 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return vals.sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
+# When the step's batch is split over data-parallel ranks, whitening must use the statistics of the whole batch:
+# the trainer sets a reducer (a sum over its DP group) for the duration of compute_advantages.
+_DP_SUM: contextvars.ContextVar[Callable[[torch.Tensor], torch.Tensor] | None] = contextvars.ContextVar(
+    "milehpc_dp_sum", default=None)
+
+
+@contextlib.contextmanager
+def dp_statistics(dp_sum: Callable[[torch.Tensor], torch.Tensor] | None) -> Iterator[None]:
+    """Inside, :func:`masked_whiten` takes its mean and variance over every DP rank's share (``dp_sum`` sums a
+    tensor over the DP group, e.g. an all-reduce). ``None`` keeps the statistics local."""
+    token = _DP_SUM.set(dp_sum)
+    try:
+        yield
+    finally:
+        _DP_SUM.reset(token)
+
+
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the masked entries with the unbiased (Bessel) variance, as verl's
     ``masked_whiten``. With fewer than two masked entries verl divides by zero; here the variance is taken as
-    0 then (so one token whitens to 0, not NaN)."""
+    0 then (so one token whitens to 0, not NaN). Under :func:`dp_statistics` the mean and variance are those of
+    the union of all DP ranks' entries (so the result equals whitening the whole batch on one rank)."""
+    import torch
+
     mask = mask.to(values.dtype)
-    n = mask.sum()
-    mean = masked_mean(values, mask)
+    dp_sum = _DP_SUM.get() or (lambda t: t)
+    totals = dp_sum(torch.stack([(values * mask).sum(), mask.sum()]).double())
+    n = totals[1].to(values.dtype)
+    mean = (totals[0] / n.clamp(min=1.0)).to(values.dtype)
     centered = (values - mean).masked_fill(mask == 0, 0.0)
-    var = (centered.square() * mask).sum() / (n - 1).clamp(min=1.0)
+    square_sum = dp_sum((centered.square() * mask).sum().double().reshape(1))[0].to(values.dtype)
+    var = square_sum / (n - 1).clamp(min=1.0)
     return (values - mean) * (var + eps).rsqrt()

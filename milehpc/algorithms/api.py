@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from milehpc.algorithms.aggregation import Aggregator, masked_mean
+from milehpc.algorithms.aggregation import Aggregator, dp_statistics, masked_mean
 from milehpc.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -108,9 +108,11 @@ class Algorithm:
 
     # -- advantages ----------------------------------------------------------------------------------------
 
-    def compute_advantages(self, batch: Batch) -> dict[str, float]:
-        """Fill ``batch.advantages`` and ``batch.returns``; returns metrics. Call it on the whole step's batch
-        before splitting it over DP ranks (group estimators need whole groups, whitening the whole batch).
+    def compute_advantages(self, batch: Batch, *, dp_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+                           ) -> dict[str, float]:
+        """Fill ``batch.advantages`` and ``batch.returns``; returns metrics. Group estimators need whole groups on
+        one rank; batch whitening (REINFORCE++, GAE) needs the whole step's statistics: on a DP rank that holds
+        only its share, pass ``dp_sum`` (a sum over the DP group) and the result equals the single-rank one.
         With ``kl_in_reward`` the estimator sees ``r_t - kl_coef * kl_t`` (``batch.token_rewards`` itself is
         left as it was, so calling this twice gives the same result)."""
         from dataclasses import replace
@@ -135,7 +137,7 @@ class Algorithm:
             metrics["reward/kl_penalty"] = float(masked_mean(kl, mask))
         if self.needs_critic and batch.values is None:
             raise ValueError(f"advantage '{self.names.get('advantage')}' needs batch.values (a critic)")
-        with torch.no_grad():
+        with torch.no_grad(), dp_statistics(dp_sum):
             adv, ret = self.advantage_fn(source, **self.advantage_params)
         batch.advantages, batch.returns = adv.detach(), ret.detach()
         rows = mask.sum(-1) > 0

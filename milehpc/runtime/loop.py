@@ -620,10 +620,22 @@ def _apply_notice(comms: Any, side: RolloutSide, engine: Any, notice: tuple[str,
         return True
     if ckpt is not None:
         ckpt.trained(side, version)
+    if _direct_sync(side.job):  # SGLang: the bytes go into its schedulers through its own update group
+        from milehpc.rollout.sglang_sync import sync_weights as sglang_sync
+
+        sglang_sync(comms, version, engine=engine)
+        side.state.weight_version = version
+        return True
     from milehpc.runtime.weights import sync_weights
 
     sync_weights(comms, version, engine=_VersionedEngine(side, engine))
     return True
+
+
+def _direct_sync(job: JobSpec) -> bool:
+    """Separate-ranks SGLang: weights go trainer stage leaders → SGLang's TP schedulers directly
+    (:mod:`milehpc.rollout.sglang_sync`), not through the rollout rank's ``update_weights``."""
+    return job.rollout.engine == "sglang" and not job.resources.colocate
 
 
 class _VersionedEngine:
@@ -651,7 +663,10 @@ def _trainer_main(ctx: Any, job: JobSpec, trainer: Any, *, progress: bool) -> li
     checkpoint_hook = getattr(ctx, "checkpoint_hook", None)
 
     def push_weights(version: int) -> float:
-        from milehpc.runtime.weights import sync_weights
+        if _direct_sync(job):
+            from milehpc.rollout.sglang_sync import sync_weights
+        else:
+            from milehpc.runtime.weights import sync_weights
 
         t0 = time.perf_counter()
         if leader:

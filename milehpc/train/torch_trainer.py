@@ -57,6 +57,15 @@ def _all_reduce(values: list[float], op: str = "sum") -> list[float]:
     return t.tolist()
 
 
+def _dp_sum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over the DP group (batch whitening over the whole step, not one rank's share)."""
+    import torch.distributed as dist
+
+    out = t.clone()
+    dist.all_reduce(out)
+    return out
+
+
 def _mean_over_dp(metrics: dict[str, float]) -> dict[str, float]:
     keys = sorted(metrics)
     _, size = _dist()
@@ -246,7 +255,7 @@ class TorchTrainer:
             # changed before the optimizer step); more epochs need them fixed before the first update.
             if getattr(self.algorithm, "needs_old_logprobs", self.job.algorithm.ppo_epochs > 1):
                 batch.old_logprobs = torch.cat([self.forward(self.module, mb)[0] for mb in mbs])
-        return self.algorithm.compute_advantages(batch) or {}
+        return self.algorithm.compute_advantages(batch, dp_sum=_dp_sum_tensor if _dist()[1] > 1 else None) or {}
 
     def train_step(self, samples: list[Sample], step: int) -> dict[str, float]:
         import torch

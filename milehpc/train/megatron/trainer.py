@@ -363,6 +363,14 @@ class MegatronTrainer:
         dist.broadcast_object_list(box, src=src, group=self.ps.get_pipeline_model_parallel_group())
         return box[0]
 
+    def _dp_sum_tensor(self, t: Any) -> Any:
+        """Sum a tensor over the DP group (batch whitening over the whole step, not one rank's share)."""
+        import torch.distributed as dist
+
+        out = t.clone()
+        dist.all_reduce(out, group=self.ps.get_data_parallel_group())
+        return out
+
     def _dp_sum(self, values: list[float], op: str = "sum") -> list[float]:
         import torch
         import torch.distributed as dist
@@ -406,7 +414,7 @@ class MegatronTrainer:
             batch.old_logprobs = torch.zeros_like(batch.response_mask)
             for i, row in enumerate(old):
                 batch.old_logprobs[i, : len(row)] = torch.tensor(row)
-        adv_metrics = self.algorithm.compute_advantages(batch)
+        adv_metrics = self.algorithm.compute_advantages(batch, dp_sum=self._dp_sum_tensor if self.dp_size > 1 else None)
         tokens, seqs = self._dp_sum([batch.num_tokens, batch.num_seqs])
         tr = self.job.trainer
         factor = lr_factor(self.steps, warmup=tr.warmup_steps, total=self.job.run.steps, schedule=tr.lr_schedule,
