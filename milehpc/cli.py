@@ -101,7 +101,8 @@ def submit(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir:
         if result.get("resume_from"):
             found = result["resume_from"]
             click.echo(f"resuming from {found['checkpoint'] or 'the start (no complete checkpoint yet)'}"
-                       + (f" at step {found['step']}" if found["step"] is not None else ""))
+                       + (f" at step {found['step']}" if found["step"] is not None else "")
+                       + (" (at another trainer layout: resharded)" if found.get("resharded") else ""))
 
 
 @cli.command(context_settings=CONTEXT)

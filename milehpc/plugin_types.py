@@ -82,7 +82,14 @@ class RolloutEngine(Registered):
 
 @dataclass(frozen=True)
 class Trainer(Registered):
-    """``impl(ctx) -> trainer``; the trainer protocol is in ``milehpc.train.base``."""
+    """``impl(ctx) -> trainer``; the trainer protocol is in ``milehpc.train.base``.
+
+    ``can_reshard``: ``None`` (a checkpoint resumes only at the layout it was written with) or a callable / lazy
+    ``"module:attr"`` reference ``(saved_parallel, current_parallel) -> bool`` saying whether this trainer can load
+    a checkpoint written at another rank layout (the ``parallel`` part of the checkpoint's layout record, see
+    :func:`milehpc.runtime.checkpoint.layout_record`). The login node calls it too: keep its module import-light."""
+
+    can_reshard: Ref | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ def milehpc_trainers() -> Iterator[Trainer]:
         defaults={"routing_replay": False, "transformer_engine": None, "init_std": 0.02,
                   "moe_load_balancing": "none", "moe_aux_loss_coeff": 0.0, "moe_dispatcher": None},
         requires=("megatron.core", "torch", "transformers"),
+        # dist_checkpointing reshards model + optimizer to another TP/PP/DP layout (checkpoint.py imports nothing).
+        can_reshard="milehpc.train.megatron.checkpoint:can_reshard",
     )
 
 

@@ -225,6 +225,17 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
+def derive_rng(seed: int, rank: int, step: int) -> None:
+    """Seed python/numpy/torch from (seed, rank, step): a rank resumed at another layout has no saved stream."""
+    import numpy as np
+    import torch
+
+    value = ((seed * 1_000_003 + rank) * 1_000_003 + step) % (2**63)
+    random.seed(value)
+    np.random.seed(value % (2**32))
+    torch.manual_seed(value)
+
+
 def restore_rng(state: dict[str, Any]) -> None:
     """Inverse of :func:`capture_rng`."""
     import numpy as np
@@ -349,6 +360,20 @@ def check_layout(saved: dict[str, Any] | None, current: dict[str, Any] | None, *
                       "resume with the original layout or start a new run dir", file=where)
 
 
+def reshard_check(job: JobSpec) -> Callable[[dict[str, Any], dict[str, Any]], bool] | None:
+    """The job's trainer plugin's ``can_reshard`` (see :class:`milehpc.plugin_types.Trainer`), or None when the
+    trainer resumes only at the layout it saved (or is unknown here: then the layout check refuses)."""
+    from milehpc import plugins
+    from milehpc.plugin_types import load_ref
+
+    try:
+        spec = plugins.lookup("trainer", job.trainer.backend)
+    except MilehpcError:
+        return None
+    ref = getattr(spec, "can_reshard", None)
+    return None if ref is None else load_ref(ref)
+
+
 # ---- the checkpointer ------------------------------------------------------------------------------------
 
 
@@ -462,6 +487,7 @@ class Checkpointer:
     def for_job(cls, job: JobSpec, plan: Plan | None, run_dir: str | os.PathLike[str], *,
                 coll: Collective | None = None, **kwargs: Any) -> Checkpointer:
         spec: CheckpointSpec = job.checkpoint
+        kwargs.setdefault("can_reshard", reshard_check(job))
         return cls(checkpoint_root(job, run_dir), coll=coll, keep=spec.keep, interval_steps=spec.interval_steps,
                    interval_s=spec.interval_minutes * 60.0,
                    layout=layout_record(job, plan) if plan is not None else None,
@@ -585,9 +611,10 @@ class Checkpointer:
                 shutil.rmtree(entry, ignore_errors=True)  # leftovers of killed jobs; never in progress here
 
     # ---- resume ----------------------------------------------------------------------------------------
-    def find_latest(self) -> CheckpointInfo | None:
+    def find_latest(self, sources: Callable[[CheckpointInfo], list[int]] | None = None) -> CheckpointInfo | None:
         """Collective: the newest checkpoint that is complete, fits the layout and whose every file checks out
-        on the rank that owns it. None when there is none."""
+        on the rank that reads it (``sources(info)``: the saved ranks whose shards this rank will load; default
+        its own). None when there is none."""
         coll = self.coll
         candidates = list_checkpoints(self.root, warn=coll.rank == 0)
         tried: set[int] = set()
@@ -600,7 +627,11 @@ class Checkpointer:
                 return None
             tried.add(step)
             info = next((c for c in candidates if c.step == step), None)
-            problem = "not visible on this rank" if info is None else self._verify_own(info)
+            if info is not None:  # refuse (one line) before reading shards a changed layout cannot use
+                check_layout(info.manifest.get("layout"), self.layout, where=str(info.path / MANIFEST),
+                             can_reshard=self.can_reshard)
+            problem = "not visible on this rank" if info is None else \
+                self._verify_own(info, sources(info) if sources is not None else [coll.rank])
             (bad,) = coll.allreduce_max([int(problem is not None)], f"resume: verifying checkpoint step {step}")
             if bad:
                 if problem:
@@ -610,16 +641,14 @@ class Checkpointer:
                     log.warning("skipping damaged checkpoint step %d, trying an older one", step)
                 continue
             assert info is not None
-            check_layout(info.manifest.get("layout"), self.layout, where=str(info.path / MANIFEST),
-                         can_reshard=self.can_reshard)
             return info
 
     def _own_files(self, info: CheckpointInfo, rank: int) -> list[str]:
         prefix = rank_file(rank, "")
         return [name for name in info.manifest["files"] if name.startswith(prefix)]
 
-    def _verify_own(self, info: CheckpointInfo) -> str | None:
-        for name in self._own_files(info, self.coll.rank):
+    def _verify_own(self, info: CheckpointInfo, ranks: list[int]) -> str | None:
+        for name in [n for r in ranks for n in self._own_files(info, r)]:
             if sha256_file(info.path / name) != info.manifest["files"][name]["sha256"]:
                 return f"{name}: sha256 mismatch"
         return None
@@ -664,9 +693,10 @@ def resume_run_dir(run_dir: str | os.PathLike[str], *, job: JobSpec | None = Non
                    plan: Plan | None = None) -> dict[str, Any]:
     """For ``milehpc submit --resume RUN_DIR`` (login node, no torch): check that ``RUN_DIR`` is a milehpc run
     dir and that its newest complete checkpoint fits the layout the job will run with (``job``/``plan`` when the
-    caller re-planned it, else the run dir's own job.json/plan.json), and say what the resubmitted job will
-    resume from. Returns ``{"run_dir", "job_script", "checkpoint" (path or None), "step" (or None), "meta"}``;
-    raises a one-line MilehpcError otherwise. The ranks then resume by themselves (``checkpoint.resume``)."""
+    caller re-planned it, e.g. ``--set trainer.tp=2``, else the run dir's own job.json/plan.json) or that the
+    trainer can reshard it, and say what the resubmitted job will resume from. Returns ``{"run_dir",
+    "job_script", "checkpoint" (path or None), "step" (or None), "meta", "resharded" (bool)}``; raises a
+    one-line MilehpcError otherwise. The ranks then resume by themselves (``checkpoint.resume``)."""
     from milehpc.config.job import JobSpec
     from milehpc.config.schema import build
     from milehpc.plan import Plan
@@ -690,11 +720,12 @@ def resume_run_dir(run_dir: str | os.PathLike[str], *, job: JobSpec | None = Non
     root = checkpoint_root(job, run_dir)
     found = list_checkpoints(root, warn=True)
     out: dict[str, Any] = {"run_dir": str(run_dir), "job_script": str(run_dir / "job.sbatch"),
-                           "checkpoint": None, "step": None, "meta": {}}
+                           "checkpoint": None, "step": None, "meta": {}, "resharded": False}
     if found:
         newest = found[0]
-        check_layout(newest.manifest.get("layout"), layout_record(job, plan), where=str(newest.path / MANIFEST))
-        out.update(checkpoint=str(newest.path), step=newest.step, meta=newest.meta)
+        resharded = check_layout(newest.manifest.get("layout"), layout_record(job, plan),
+                                 where=str(newest.path / MANIFEST), can_reshard=reshard_check(job))
+        out.update(checkpoint=str(newest.path), step=newest.step, meta=newest.meta, resharded=resharded)
     return out
 
 
@@ -717,6 +748,25 @@ class LoopCheckpoint:
     What each rank writes: ``rank-N.pt`` = {"trainer": TrainerSide.state_dict(), "rollout": RolloutSide
     .state_dict() without its samples, "outbox": [(batch, stats)]} and ``rank-N.h5`` = the partial rollouts
     (``carry``), the over-sampled groups (``ready``) and each outbox batch (``outbox_B``).
+
+    **Resuming at another trainer layout** (only when the trainer plugin's ``can_reshard`` accepts it, e.g.
+    Megatron TP=2 x DP=1 -> TP=1 x DP=2; the rollout layout and the model never change). What is per rank and
+    where a rank of the new layout takes it from (:meth:`sources`):
+
+    * *trainer state* — loop step, weight version, SFT flag, the trainer-side async buffer (all global: every
+      trainer rank holds the same values, rank 0 also the buffer) and the trainer's own small state (version,
+      step count, the path of its dist checkpoint): from **trainer rank 0's** shard, on every trainer rank. The
+      model and optimizer come from the trainer's layout-independent checkpoint (Megatron: dist_checkpointing,
+      loaded and resharded for the new TP/PP/DP), so they are exactly the saved ones.
+    * *rollout state* — data cursor, partial rollouts, over-sampled groups, outbox, engine RNG: from the saved
+      rank with the **same rollout index** (the rollout ranks shift when the number of trainer ranks changes);
+      these are exactly the saved ones.
+    * *process RNG* (python/numpy/torch) — rollout and colocated ranks: that same rank's, exact; trainer rank 0:
+      its own, exact; every other trainer rank: a new stream derived from (run.seed, rank, step), because a
+      rank of another layout has no saved stream to continue (its numbers cannot be bit-identical to any
+      uninterrupted run, which did not exist at this layout). The trainer keeps RNG that depends on the layout
+      (Megatron's TP-rank RNG tracker) as seeded for the new layout. Steps after a resharded resume therefore
+      match an uninterrupted run only up to reduction order (TP/DP sums), not bitwise.
     """
 
     def __init__(self, job: JobSpec, run_dir: str | os.PathLike[str], *, comms: Any = None,
@@ -746,24 +796,59 @@ class LoopCheckpoint:
             rollout.checkpointing = self
         if not self.job.checkpoint.resume:
             return False
-        restored = self.ck.resume()
-        if restored is None:
+        info = self.ck.find_latest(sources=lambda i: sorted(set(self.sources(i).values())))
+        if info is None:
             return False
-        state, samples = restored.state, restored.samples
+        src = self.sources(info)
+        parts = {r: self.ck.load(info, source_rank=r) for r in sorted(set(src.values()))}
+        restored = parts[src.get("rollout", src.get("trainer", self.rank))]
+        resharded = restored.resharded
         if trainer is not None:
-            trainer.load_state_dict(state["trainer"])
+            ts = parts[src["trainer"]].state["trainer"]
+            if resharded:  # the trainer loads its model/optimizer at the new layout, keeps its layout's RNG
+                ts = {**ts, "trainer": {**ts["trainer"], "resharded": True}}
+            trainer.load_state_dict(ts)
+        state, samples = restored.state, restored.samples
         if rollout is not None:
             rs = state["rollout"]
             rs["loop"]["carry"] = [s.to_dict() for s in samples.get("carry", [])]
             rs["loop"]["ready"] = [[s.to_dict() for s in g] for g in samples.get("ready", [])]
             rollout.load_state_dict(rs)
             rollout.outbox = [(b, samples[f"outbox_{b}"], stats) for b, stats in state.get("outbox", [])]
-        restored.apply_rng()
-        self.resumed_step = restored.info.step
+        if "rng" in src:
+            parts[src["rng"]].apply_rng()
+        else:
+            derive_rng(self.job.run.seed, self.rank, info.step)
+        self.resumed_step = info.step
         if self.rank == 0:
-            print(f"milehpc: resumed from {restored.info.path} (step {restored.info.step}, restart "
-                  f"{restart_count()})", flush=True)
+            how = ""
+            if resharded:
+                saved = info.manifest["layout"]["parallel"]
+                how = (f", resharded from tp={saved.get('tp')} pp={saved.get('pp')} dp={saved.get('dp')} to "
+                       f"tp={self.plan.tp} pp={self.plan.pp} dp={self.plan.dp}")
+            print(f"milehpc: resumed from {info.path} (step {info.step}, restart {restart_count()}{how})",
+                  flush=True)
         return True
+
+    def sources(self, info: CheckpointInfo) -> dict[str, int]:
+        """The saved ranks this rank's state comes from: ``{"trainer": r, "rollout": r, "rng": r}`` (a role
+        this rank does not have is absent; no ``"rng"`` = derive a new stream). Identity at the saved layout;
+        at another trainer layout see the class docstring."""
+        rank, plan = self.rank, self.plan
+        saved = info.manifest.get("layout")
+        if plan is None or saved is None or self.ck.layout is None or saved == self.ck.layout:
+            return {"trainer": rank, "rollout": rank, "rng": rank}
+        par = saved["parallel"]
+        out: dict[str, int] = {}
+        if plan.is_trainer(rank):
+            out["trainer"] = 0
+            if rank == 0:
+                out["rng"] = 0
+        if plan.is_rollout(rank):
+            # can_reshard keeps the rollout layout; only its first rank moves with the number of trainer ranks.
+            first = 0 if par.get("colocated") else int(par["trainer_ranks"])
+            out["rollout"] = out["rng"] = first + rank - plan.rollout_first
+        return out
 
     # ---- the trainer ranks' (and colocated ranks') step boundary -----------------------------------------
     def hook(self, side: Any, step: int, rollout: Any = None) -> None:

@@ -161,6 +161,11 @@ class ColocatedStep:
         finally:
             self.report.times[name] = self.report.times.get(name, 0.0) + self.clock() - t0
 
+    def timed(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` as the step piece ``name`` (recorded in the report's events, timed); the loop uses it for
+        generation and training, which it drives itself."""
+        return self._timed(name, fn)
+
     @contextlib.contextmanager
     def train_region(self) -> Iterator[None]:
         """Allocate trainer state (model, optimizer moments, grads) inside this (CPU backup on pause)."""

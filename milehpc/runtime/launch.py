@@ -2,7 +2,8 @@
 
 Reads ``RUN_DIR/plan.json`` and ``RUN_DIR/job.json`` (written by ``milehpc submit``), checks that the MPI world is
 the one the plan was made for, brings up the communicators (``milehpc.runtime.comm.bootstrap``) and calls the
-entry (``milehpc.runtime.loop:run`` unless one is given as ``module:function``) with a ``RunContext``.
+entry (``milehpc.runtime.loop:run`` unless one is given as ``module:function``, by ``--entry`` or by the job's
+``[env] MILEHPC_ENTRY``, which reaches the ranks through the rendered job script) with a ``RunContext``.
 
 On failure this function does not return: it reports (rank 0, and the rank that saw the failure first) and ends the
 process with the error's exit code via ``os._exit``, because MPI_Finalize would wait for a rank that is gone. The
@@ -81,6 +82,9 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
     install_log_masking()
     try:
         job, plan, partition = load_run_dir(run_dir)
+        from milehpc.config.requirements import check_requirements
+
+        check_requirements(job)  # here, not at submit: the login node lacks the container's GPU packages
     except MilehpcError as err:
         rank = _mpi_rank_from_env()
         _end(err.exit_code, str(err) if rank == 0 else None, rank)
@@ -112,7 +116,7 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
         restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
         ctx = RunContext(job=job, plan=plan, comms=comms, run_dir=Path(run_dir),
                          restart_count=int(restarts) if restarts.isdigit() else 0, partition=partition)
-        load_ref(entry or DEFAULT_ENTRY)(ctx)
+        load_ref(entry or os.environ.get("MILEHPC_ENTRY") or DEFAULT_ENTRY)(ctx)
         comms.close()
         if rank == 0:
             _mark_done(run_dir)

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from milehpc.config.job import JobSpec
 
 TAG_BATCH, TAG_NOTICE, TAG_SHARE = 32101, 32102, 32103
+TAG_RESYNC, TAG_ALIVE = 32104, 32105  # SGLang: re-sync of a restarted engine; engine leaders' health per step
 TARGET_WINDOW = 10  # steps averaged for run.target_reward
 SFT_SEED_OFFSET = 7919  # SFT warm-up draws from its own prompt stream, so RL sees the same prompts either way
 
@@ -568,15 +569,21 @@ def _rollout_main(ctx: Any, job: JobSpec, engine: Any) -> None:
     mode = job.run.loop
     ckpt = getattr(ctx, "checkpointing", None)
     resumed = ckpt is not None and ckpt.restore(rollout=side)
+    direct = _direct_sync(job)
 
     def take_update(block: bool) -> bool:
         """Apply one weight notice if there is one (or wait for it). Returns False on stop."""
-        got = (_recv(comms, 0, TAG_NOTICE, "waiting for new weights from trainer rank 0"),) if block \
-            else _poll(comms, 0, TAG_NOTICE)
+        if block and direct:  # serve other engines' re-syncs while waiting (the trainer may be in one)
+            got = (_wait_serving(comms, side, engine, lambda: _poll(comms, 0, TAG_NOTICE),
+                                 "waiting for new weights from trainer rank 0"),)
+        else:
+            got = (_recv(comms, 0, TAG_NOTICE, "waiting for new weights from trainer rank 0"),) if block \
+                else _poll(comms, 0, TAG_NOTICE)
         return True if got is None else _apply_notice(comms, side, engine, got[0])
 
-    # The warmed-up weights (version 0), or after a resume the trainer's restored weights.
-    if (job.trainer.sft_warmup_steps > 0 or resumed) and not take_update(block=True):
+    # The warmed-up weights (version 0), or after a resume the trainer's restored weights; SGLang always starts
+    # with them (its engine may have started from random "dummy" weights).
+    if (job.trainer.sft_warmup_steps > 0 or resumed or direct) and not take_update(block=True):
         return
     for b, groups, stats in getattr(side, "outbox", [])[:] if resumed else []:
         # Batches generated before the checkpoint that the trainer had not trained yet: send them again.
@@ -599,12 +606,16 @@ def _rollout_main(ctx: Any, job: JobSpec, engine: Any) -> None:
         if not running:
             break
         if side.leader:
+            if direct:
+                _engine_turn(comms, side, engine, b, pending)
             groups, stats = side.produce()
             _send(comms, ("batch", b, groups, stats), 0, TAG_BATCH, f"batch {b} to trainer rank 0", pending)
             if ckpt is not None:
                 ckpt.sent(side, b, groups, stats)
         else:
             side.state.step += 1
+            if direct:
+                _serve_resyncs(comms, side, engine)
     if side.leader:
         _send(comms, ("bye", side.state.step, [], {}), 0, TAG_BATCH, "end of rollouts", pending)
     _flush(comms, pending)
@@ -623,6 +634,8 @@ def _apply_notice(comms: Any, side: RolloutSide, engine: Any, notice: tuple[str,
     if _direct_sync(side.job):  # SGLang: the bytes go into its schedulers through its own update group
         from milehpc.rollout.sglang_sync import sync_weights as sglang_sync
 
+        if getattr(engine, "is_leader", False) and not engine.health():
+            engine.restart()  # died since the last generation: this sync rebuilds its group and fills it
         sglang_sync(comms, version, engine=engine)
         side.state.weight_version = version
         return True
@@ -630,6 +643,71 @@ def _apply_notice(comms: Any, side: RolloutSide, engine: Any, notice: tuple[str,
 
     sync_weights(comms, version, engine=_VersionedEngine(side, engine))
     return True
+
+
+def _serve_resyncs(comms: Any, side: RolloutSide, engine: Any) -> bool:
+    """Take part in every re-sync the trainer has announced (after some engine restarted). Every sync has the
+    same protocol, so it does not matter whether a re-sync or a regular one is taken first. False on stop."""
+    while (got := _poll(comms, 0, TAG_RESYNC)) is not None:
+        if not _apply_notice(comms, side, engine, got[0]):
+            return False
+    return True
+
+
+def _wait_serving(comms: Any, side: RolloutSide, engine: Any, probe: Callable[[], Any], what: str) -> Any:
+    """Wait (with the comms' timeout) until ``probe()`` returns something, serving re-syncs meanwhile."""
+    box: list[Any] = []
+
+    def done() -> bool:
+        if not _serve_resyncs(comms, side, engine):
+            box.append(("stop", -1))
+        elif (got := probe()) is not None:
+            box.append(got[0])
+        return bool(box)
+
+    comms.poll(done, comms.timeout, lambda: f"{what}: rank {comms.rank} heard nothing within "
+                                            f"{comms.timeout:.0f} s", lambda: [0])
+    return box[0]
+
+
+def _engine_turn(comms: Any, side: RolloutSide, engine: Any, b: int, pending: list[Any]) -> None:
+    """SGLang engine leader, before generating batch ``b``: the engine leaders swap health flags, this engine's
+    share of the step's prompt groups comes from the router over the live engines (a dead one gets none this
+    step), and a dead engine is restarted in place and re-synced to the trainer's current weights."""
+    from milehpc.rollout.router import Router, split_prompts
+
+    plan, ro = comms.plan, side.job.rollout
+    healthy = engine.health() if hasattr(engine, "health") else True
+    leaders = plan.engine_leaders()
+    alive = [healthy]
+    if len(leaders) > 1:
+        for r in leaders:
+            if r != comms.rank:
+                _send(comms, (b, healthy), r, TAG_ALIVE, f"engine health to rank {r}", pending)
+        flags = {comms.rank: healthy}
+        for r in leaders:
+            while r not in flags:
+                got = _wait_serving(comms, side, engine, lambda r=r: _poll(comms, r, TAG_ALIVE),
+                                    f"health of engine leader {r} for batch {b}")
+                if got == ("stop", -1):
+                    return
+                if got[0] == b:  # flags of an older batch cannot arrive after this one (FIFO per pair)
+                    flags[r] = got[1]
+        alive = [flags[r] for r in leaders]
+    if any(alive):
+        router = Router(len(leaders))
+        for e, ok in enumerate(alive):
+            if not ok:
+                router.mark_dead(e)
+        # Token cost of the step's prompts at their stream positions (the same on every leader, so every leader
+        # computes the same split); each engine then takes its count from its own part of the stream.
+        costs = [side.source.peek(b * ro.prompts_per_step + i).ids for i in range(ro.prompts_per_step)]
+        side.quota = len(split_prompts(costs, ro.n_samples, ro.max_new_tokens, len(leaders), router)[side.e])
+    if not healthy:
+        engine.restart()
+        _send(comms, ("resync", b, [], {}), 0, TAG_BATCH, "re-sync request to trainer rank 0", pending)
+        _wait_serving(comms, side, engine, lambda: None if engine.needs_weight_sync else (True,),
+                      f"re-sync of restarted engine {side.e}")
 
 
 def _direct_sync(job: JobSpec) -> bool:
@@ -662,7 +740,7 @@ def _trainer_main(ctx: Any, job: JobSpec, trainer: Any, *, progress: bool) -> li
     pending: list[Any] = []
     checkpoint_hook = getattr(ctx, "checkpoint_hook", None)
 
-    def push_weights(version: int) -> float:
+    def push_weights(version: int, tag: int = TAG_NOTICE) -> float:
         if _direct_sync(job):
             from milehpc.rollout.sglang_sync import sync_weights
         else:
@@ -671,7 +749,7 @@ def _trainer_main(ctx: Any, job: JobSpec, trainer: Any, *, progress: bool) -> li
         t0 = time.perf_counter()
         if leader:
             for r in rollout_ranks:
-                _send(comms, ("weights", version), r, TAG_NOTICE, f"weight notice to rank {r}", pending)
+                _send(comms, ("weights", version), r, tag, f"weight notice to rank {r}", pending)
         source = any(g.is_source for g in comms.sync_groups.values())
         if source or collective_export:
             named = list(trainer.export_weights())
@@ -683,7 +761,7 @@ def _trainer_main(ctx: Any, job: JobSpec, trainer: Any, *, progress: bool) -> li
         ckpt = getattr(ctx, "checkpointing", None)
         resumed = ckpt is not None and ckpt.restore(trainer=side)
         side.warmup()
-        if job.trainer.sft_warmup_steps > 0 or resumed:  # resumed: the engines were rebuilt from the seed
+        if job.trainer.sft_warmup_steps > 0 or resumed or _direct_sync(job):  # resumed: the engines were rebuilt
             push_weights(trainer.version)
         step = side.state.step
         last = False
@@ -693,6 +771,12 @@ def _trainer_main(ctx: Any, job: JobSpec, trainer: Any, *, progress: bool) -> li
                 parts, groups = [], []
                 for src in leaders:
                     kind, b, g, stats = _recv(comms, src, TAG_BATCH, f"batch {step} from engine leader {src}")
+                    while kind == "resync":  # that engine restarted: every engine gets the current weights again
+                        for r in trainers[1:]:
+                            _send(comms, (step, "resync", side.state.weight_version), r, TAG_SHARE,
+                                  f"re-sync notice to rank {r}", pending)
+                        push_weights(side.state.weight_version, TAG_RESYNC)
+                        kind, b, g, stats = _recv(comms, src, TAG_BATCH, f"batch {step} from engine leader {src}")
                     if kind != "batch" or b != step:
                         raise RuntimeFailure(f"trainer rank 0 expected batch {step} from rank {src}, got {kind} {b}")
                     groups += g
@@ -716,6 +800,9 @@ def _trainer_main(ctx: Any, job: JobSpec, trainer: Any, *, progress: bool) -> li
                 mine = shares[dp]
             else:
                 _, mine, last = _recv(comms, 0, TAG_SHARE, f"step {step} share from trainer rank 0")
+                while mine == "resync":  # an engine restarted (see above): `last` carries the version
+                    push_weights(last, TAG_RESYNC)
+                    _, mine, last = _recv(comms, 0, TAG_SHARE, f"step {step} share from trainer rank 0")
                 metrics = {}
             metrics.update(side.train(step, _samples(mine)))
             version = side.state.weight_version
@@ -737,8 +824,9 @@ def _trainer_main(ctx: Any, job: JobSpec, trainer: Any, *, progress: bool) -> li
         for r in rollout_ranks:
             _send(comms, ("stop", -1), r, TAG_NOTICE, f"stop notice to rank {r}", pending)
         for src in leaders:
-            while _recv(comms, src, TAG_BATCH, f"end of rollouts from rank {src}")[0] != "bye":
-                pass
+            while (kind := _recv(comms, src, TAG_BATCH, f"end of rollouts from rank {src}")[0]) != "bye":
+                if kind == "resync":  # too late to re-sync: release the waiting engine leader
+                    _send(comms, ("stop", -1), src, TAG_RESYNC, f"stop to rank {src}", pending)
         _flush(comms, pending)
     side.close()
     return side.history
@@ -755,6 +843,7 @@ def _colocated_main(ctx: Any, job: JobSpec, engine: Any, trainer: Any, *, progre
     e, _ = plan.engine_of(comms.rank)
     _, dp, _ = plan.trainer_coords(comms.rank)
     leader = comms.rank == 0
+    colo = getattr(ctx, "colocate", None)  # SGLang + torch_memory_saver (runtime.colocate); None otherwise
     rollout = RolloutSide(job, engine, engine_index=e, num_engines=plan.engines, file=str(ctx.run_dir / "job.toml"))
     side = TrainerSide(job, trainer, run_dir=ctx.run_dir, rank=comms.rank, dp_rank=dp, dp_size=plan.dp,
                        leader=leader, file=str(ctx.run_dir / "job.toml"), progress=progress)
@@ -763,12 +852,18 @@ def _colocated_main(ctx: Any, job: JobSpec, engine: Any, trainer: Any, *, progre
     try:
         if getattr(ctx, "checkpointing", None) is not None:
             ctx.checkpointing.restore(trainer=side, rollout=rollout)
-        side.warmup()
-        sync_weights(comms, trainer.version, named_tensors=trainer.export_weights(),
-                     engine=_VersionedEngine(rollout, engine))
+        if colo is None:
+            side.warmup()
+            sync_weights(comms, trainer.version, named_tensors=trainer.export_weights(),
+                         engine=_VersionedEngine(rollout, engine))
+        else:
+            with colo.train_region():
+                side.warmup()
+            colo.initial_sync(trainer.version)
+            rollout.state.weight_version = trainer.version
         for step in range(side.state.step, job.run.steps):
             t0 = time.perf_counter()
-            groups, stats = rollout.produce()
+            groups, stats = rollout.produce() if colo is None else _colo_generate(colo, rollout, trainer)
             gathered = comms.gather((groups, stats), 0, everyone, what=f"step {step} rollouts")
             metrics: dict[str, float] = {}
             if leader:
@@ -778,11 +873,15 @@ def _colocated_main(ctx: Any, job: JobSpec, engine: Any, trainer: Any, *, progre
                 metrics["rollout/gen_tokens"] = merged.get("gen_tokens", 0.0)
             counts = comms.allgather(len(groups), everyone, what=f"step {step} group counts")
             # A rank without data cannot join the gradient all-reduce: then nobody trains this step.
-            metrics.update(side.train(step, _samples(groups) if min(counts) > 0 else []))
-            t1 = time.perf_counter()
-            sync_weights(comms, trainer.version, named_tensors=trainer.export_weights(),
-                         engine=_VersionedEngine(rollout, engine))
-            metrics["time/sync"] = time.perf_counter() - t1
+            if colo is None:
+                metrics.update(side.train(step, _samples(groups) if min(counts) > 0 else []))
+                t1 = time.perf_counter()
+                sync_weights(comms, trainer.version, named_tensors=trainer.export_weights(),
+                             engine=_VersionedEngine(rollout, engine))
+                metrics["time/sync"] = time.perf_counter() - t1
+            else:
+                metrics.update(_colo_train_update(colo, side, rollout, step,
+                                                  _samples(groups) if min(counts) > 0 else []))
             metrics["time/step"] = time.perf_counter() - t0
             stop = comms.bcast(leader and side.target_reached(metrics), 0, everyone, what="stop flag")
             if leader:
@@ -794,6 +893,43 @@ def _colocated_main(ctx: Any, job: JobSpec, engine: Any, trainer: Any, *, progre
     finally:
         side.close()
     return side.history
+
+
+def _colo_generate(colo: Any, rollout: RolloutSide, trainer: Any) -> tuple[list[Group], dict[str, float]]:
+    """Colocated SGLang, first half of a step: (restart + re-sync a dead engine), generate, offload rollout."""
+    from milehpc.runtime.colocate import StepReport
+
+    colo.report = StepReport()
+    engine = colo.engine
+    if hasattr(engine, "health") and not engine.health():
+        engine.restart()  # comes back resident, with the checkpoint's (or random) weights
+        colo.update_weights(trainer.version)  # the last snapshot: the trainer's current weights
+        rollout.state.weight_version = trainer.version
+    out = colo.timed("generate", rollout.produce)
+    colo.offload_rollout()
+    return out
+
+
+def _colo_train_update(colo: Any, side: TrainerSide, rollout: RolloutSide, step: int,
+                       samples: list[Sample]) -> dict[str, float]:
+    """Colocated SGLang, second half: train → offload train → onload weights → update weights → onload KV cache."""
+    colo.onload_train()
+
+    def train() -> dict[str, float]:
+        with colo.train_region():  # optimizer state created at the first step must be pausable too
+            metrics = side.train(step, samples)
+        colo.snapshot()
+        return metrics
+
+    metrics = colo.timed("train", train)
+    colo.offload_train()
+    colo.onload_weights()
+    colo.update_weights(side.trainer.version)
+    rollout.state.weight_version = side.trainer.version
+    colo.onload_kv()
+    metrics["time/sync"] = colo.report.times.get("update_weights", 0.0)
+    metrics.update(colo.report.metrics())
+    return metrics
 
 
 def check_job(job: JobSpec, *, file: str | None = None) -> None:
@@ -818,8 +954,18 @@ def run(ctx: Any, *, progress: bool = True) -> list[dict[str, float]]:
     engine = trainer = None
     if plan.is_rollout(comms.rank):
         engine = plugins.load("engine", job.rollout.engine, file=file, field="rollout.engine")(ctx)
+    colo = None
+    if plan.colocated and engine is not None:
+        from milehpc.runtime.colocate import for_job
+
+        colo = ctx.colocate = for_job(job, engine, device=comms.device)  # None for the reference engine
     if plan.is_trainer(comms.rank):
-        trainer = plugins.load("trainer", job.trainer.backend, file=file, field="trainer.backend")(ctx)
+        make_trainer = plugins.load("trainer", job.trainer.backend, file=file, field="trainer.backend")
+        if colo is not None:  # parameters and optimizer state in the pausable region
+            with colo.train_region():
+                trainer = colo.trainer = make_trainer(ctx)
+        else:
+            trainer = make_trainer(ctx)
     if getattr(ctx, "checkpointing", None) is None:  # resume + checkpoints + requeue (runtime.checkpoint)
         from milehpc.runtime.checkpoint import LoopCheckpoint
 

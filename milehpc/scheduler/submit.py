@@ -37,16 +37,18 @@ def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir
     extra = dependency_args(after, prep.partition.scheduler)
     if extra:
         result["sbatch_args"] = extra
+    if resume:
+        from milehpc.runtime.checkpoint import resume_run_dir
+
+        # Refuses a checkpoint from an incompatible layout in one line (unless the trainer reshards it), before
+        # anything is rewritten; a dry run checks it too.
+        found = resume_run_dir(prep.run_dir, job=prep.job, plan=prep.plan)
+        result["resume_from"] = {"checkpoint": found["checkpoint"], "step": found["step"],
+                                 "resharded": found["resharded"]}
     if dry_run:
         result["script"] = prep.script
         return result
     check_paths(prep.job, job_file)
-    if resume:
-        from milehpc.runtime.checkpoint import resume_run_dir
-
-        # Refuses a checkpoint from an incompatible layout in one line, before anything is rewritten.
-        found = resume_run_dir(prep.run_dir, job=prep.job, plan=prep.plan)
-        result["resume_from"] = {"checkpoint": found["checkpoint"], "step": found["step"]}
     rdir = write_run_dir(prep, resume=bool(resume))
     script = rdir / "job.sbatch"
     if prep.partition.scheduler == "local":

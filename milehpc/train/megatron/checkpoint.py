@@ -16,6 +16,13 @@ milehpc's checkpoint directory: :meth:`MegatronTrainer.state_dict_for_checkpoint
 megatron/v<version>`` here (collectively) when the trainer knows the checkpoint root, and its small per-rank state
 references that directory; the manifest is committed by :class:`milehpc.runtime.checkpoint.Checkpointer` only
 after every rank has written, so a half-written one is never referenced.
+
+Resuming at another layout: the "megatron" trainer plugin registers :func:`can_reshard` as its ``can_reshard``, so
+:class:`milehpc.runtime.checkpoint.Checkpointer` (ranks) and ``milehpc submit --resume RUN_DIR --set trainer.tp=N``
+(login node) accept a checkpoint whose trainer TP/PP/DP differ; every new trainer rank then takes trainer rank 0's
+small state (it names the dist checkpoint) and :func:`load` reshards model and optimizer (see LoopCheckpoint for
+what else carries over). Rows of the TP vocabulary padding that the old layout did not have are zero-filled by
+Megatron (``allow_shape_mismatch`` of the embedding/output layer); they are masked out of every logprob.
 """
 
 from __future__ import annotations

@@ -607,12 +607,23 @@ class MegatronTrainer:
 
         from milehpc.train.megatron import checkpoint
 
+        # Set by LoopCheckpoint when the checkpoint was written at another TP/PP/DP layout: ``state`` is then trainer
+        # rank 0's (version, steps, dist checkpoint path); model and optimizer are resharded by dist_checkpointing.
+        resharded = bool(state.get("resharded"))
         if "dist_checkpoint" in state:
             checkpoint.load(self, state["dist_checkpoint"])
+        elif resharded:
+            raise ConfigError("this Megatron checkpoint holds per-rank shards (it was written without a checkpoint "
+                              "directory), which load only at the layout that wrote them; resume with that "
+                              "trainer.tp/pp/dp", field="trainer")
         else:
             self.ddp.load_state_dict(state["model"], strict=False)
             self.optimizer.load_state_dict(state["optimizer"])
         self.version, self.steps = int(state["version"]), int(state["steps"])
+        if resharded:
+            # The RNG tracker's streams belong to a TP rank of the old layout: keep the ones seeded for this
+            # layout at start-up (dropout is 0 here, so training does not draw from them anyway).
+            return
         _set_tracker_states(state.get("rng_tracker"))
         torch.set_rng_state(state["cpu_rng"])
 

@@ -1,11 +1,34 @@
-"""CPU stand-in for ``sglang.Engine`` (test of scripts/gpu_check.py only): the methods milehpc calls, with SGLang's
-keyword arguments and output shapes, generating with milehpc's reference engine on the config in ``model_path``."""
+"""CPU stand-in for ``sglang.Engine``: the methods milehpc calls, with SGLang's keyword arguments and output shapes,
+generating with milehpc's reference engine on the config in ``model_path``.
+
+Used by tests/test_sglang_gpu_check_script.py and tests/test_sglang_loop_standin.py. For the loop tests it also
+* joins SGLang's weight-update group and receives broadcasts the way SGLang's TP scheduler does
+  (``init_custom_process_group`` / ``ModelRunner.update_weights_from_distributed``; see
+  tests/sglang_standin_scheduler.py for the source facts), on gloo;
+* starts one child process, as SGLang starts its scheduler, so milehpc's health check watches a real process;
+  ``MILEHPC_STANDIN_CRASH="RANK:CALL:N"`` kills the first engine's child on that MPI rank after its N-th call of
+  ``CALL`` (``generate`` or ``resume_memory_occupation``);
+* records every call as one JSON line in ``$MILEHPC_STANDIN_LOG/rank<R>.jsonl`` when that variable is set.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 __version__ = "standin"
+_STARTED = [0]  # engines started in this process (a crash is staged on the first one only)
+
+
+def record(call: str, **info) -> None:
+    folder = os.environ.get("MILEHPC_STANDIN_LOG")
+    if folder:
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+        with open(Path(folder) / f"rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"call": call, **info}) + "\n")
 
 
 class Engine:
@@ -21,12 +44,25 @@ class Engine:
         self.ref = ReferenceEngine(model, build_tokenizer("toy"), seed=random_seed)
         self.server_args = server_args
         self.released: set[str] = set()
+        self.groups: dict = {}
+        self.calls: dict[str, int] = {}
+        _STARTED[0] += 1
+        self.instance = _STARTED[0]
+        crash = os.environ.get("MILEHPC_STANDIN_CRASH", "")
+        rank, call, after = crash.split(":") if crash else ("", "", "0")
+        self.crash_at = (call, int(after)) if rank == os.environ.get("OMPI_COMM_WORLD_RANK") \
+            and self.instance == 1 else None
+        # The "scheduler": a real child process, watched by milehpc's health check.
+        self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        record("Engine", instance=self.instance, load_format=load_format)
 
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False, return_routed_experts=False,
                  **_):
         from milehpc.rollout.engine import SamplingParams
 
         assert return_logprob and not (self.released & {"weights", "kv_cache"})
+        record("generate", prompts=len(input_ids))
+        self._count("generate")
         outs = []
         for ids, sp in zip(input_ids, sampling_params, strict=True):
             params = SamplingParams(temperature=sp["temperature"], top_p=sp["top_p"], top_k=max(sp["top_k"], 0),
@@ -39,21 +75,86 @@ class Engine:
                                                                                                   strict=True)]}})
         return outs
 
+    def _count(self, call: str) -> None:
+        self.calls[call] = self.calls.get(call, 0) + 1
+        if self.crash_at == (call, self.calls[call]):
+            self.child.kill()  # the scheduler dies after answering; the next health check sees it
+
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        record("update_weights_from_tensor", names=len(named_tensors), flush_cache=flush_cache)
         self.ref.update_weights(named_tensors, self.ref.version)
         return True, "Succeeded"
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                  backend="nccl"):
+        import inspect
+        from datetime import timedelta
+
+        from torch.distributed.distributed_c10d import (
+            Backend,
+            PrefixStore,
+            _new_process_group_helper,
+            _world,
+            rendezvous,
+        )
+
+        record("init_weights_update_group", rank_offset=rank_offset, world_size=world_size, group_name=group_name)
+        timeout = timedelta(seconds=60)
+        store, rank, world = next(rendezvous(f"tcp://{master_address}:{master_port}", rank_offset, world_size,
+                                             timeout=timeout))
+        store.set_timeout(timeout)
+        params = inspect.signature(_new_process_group_helper).parameters
+        options = "backend_options" if "backend_options" in params else "pg_options"
+        pg, _ = _new_process_group_helper(world, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                          group_name=group_name, timeout=timeout, **{options: None})
+        _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+        self.groups[group_name] = pg
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_weights_update_group(self, group_name):
+        import torch.distributed as dist
+
+        record("destroy_weights_update_group", group_name=group_name)
+        dist.destroy_process_group(self.groups.pop(group_name))
+        return True, "Succeeded to destroy custom process group."
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                        flush_cache=True, load_format=None):
+        import torch
+        import torch.distributed as dist
+
+        record("update_weights_from_distributed", names=len(names), flush_cache=flush_cache)
+        got = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            dist.broadcast(t, src=0, group=self.groups[group_name])
+            got.append((name, t))
+        self.ref.update_weights(got, self.ref.version)
+        return True, "Succeeded to update parameter online."
 
     def get_weights_by_name(self, name, truncate_size=100):
         return self.ref.model.state_dict()[name].flatten()[:truncate_size].float().tolist()
 
     def release_memory_occupation(self, tags=None):
+        record("release_memory_occupation", tags=tags)
         self.released |= set(tags or ["weights", "kv_cache", "cuda_graph"])
 
     def resume_memory_occupation(self, tags=None):
+        record("resume_memory_occupation", tags=tags)
         self.released -= set(tags or ["weights", "kv_cache", "cuda_graph"])
+        self._count("resume_memory_occupation")
 
     def flush_cache(self):
+        record("flush_cache")
         return True
 
     def shutdown(self):
+        import torch.distributed as dist
+
+        record("shutdown", instance=self.instance)
+        for pg in self.groups.values():  # real SGLang loses them with its scheduler process
+            dist.destroy_process_group(pg)
+        self.groups.clear()
+        self.child.kill()
+        self.child.wait()
         self.ref = None
