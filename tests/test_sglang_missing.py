@@ -110,3 +110,17 @@ def test_colocated_driver_is_only_for_sglang_and_needs_the_memory_saver():
     with pytest.raises(PluginError) as info:
         for_job(gpu, engine=None)
     _one_line(info.value, "torch-memory-saver")
+
+
+@pytest.mark.mpi
+def test_launch_checks_the_gpu_stack_on_every_rank_one_line_from_rank_0(tmp_path):
+    """`milehpc launch` (inside the job, where the container provides the packages) checks them before anything
+    heavy; `submit` does not (login nodes lack them). Real mpirun, 2 ranks: exit 2, one line, from rank 0 only."""
+    from test_runtime_mpi import mpirun, write_run_dir
+
+    run_dir = write_run_dir(tmp_path / "run", {"rollout": {"engine": "sglang"}})
+    proc, _ = mpirun(run_dir, None, np=2, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("milehpc: error")]
+    assert len(lines) == 1 and "rank 0" in lines[0] and "'sglang'" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

@@ -53,7 +53,10 @@ class Engine:
         self.crash_at = (call, int(after)) if rank == os.environ.get("OMPI_COMM_WORLD_RANK") \
             and self.instance == 1 else None
         # The "scheduler": a real child process, watched by milehpc's health check.
-        self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        # It ends with its parent (as SGLang's do) and holds none of the rank's output pipes.
+        watch = f"import os, time\nwhile os.getppid() == {os.getpid()}: time.sleep(0.2)"
+        self.child = subprocess.Popen([sys.executable, "-c", watch], stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         record("Engine", instance=self.instance, load_format=load_format)
 
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False, return_routed_experts=False,
