@@ -43,6 +43,13 @@ if TYPE_CHECKING:
 # the block recipes use E4M3 throughout, TE's default for Float8BlockScaling / MXFP8BlockScaling
 # (transformer_engine/common/recipe/__init__.py) and the format SGLang's fp8 weights are served in.
 _MEGATRON_FP8_FORMAT = {"delayed": "hybrid", "tensorwise": "hybrid", "blockwise": "e4m3", "mxfp8": "e4m3"}
+
+
+def megatron_fp8_format(recipe: str | None) -> str:
+    """Megatron's ``fp8`` format for a recipe (block-scaled recipes are e4m3-only); one source for both sides."""
+    return _MEGATRON_FP8_FORMAT[recipe or "delayed"]
+
+
 _TE_RECIPE_CLASS = {
     "delayed": "DelayedScaling",
     "tensorwise": "Float8CurrentScaling",
@@ -69,7 +76,7 @@ class Precision:
         """Keyword arguments for Megatron-core's ``TransformerConfig`` (dtype given as a name; the trainer maps it)."""
         out: dict[str, Any] = {"bf16": self.mode in ("bf16", "fp8"), "params_dtype": self.params_dtype}
         if self.mode == "fp8":
-            out["fp8"] = _MEGATRON_FP8_FORMAT[self.fp8_recipe or "delayed"]
+            out["fp8"] = megatron_fp8_format(self.fp8_recipe)
             out["fp8_recipe"] = self.fp8_recipe
         return out
 

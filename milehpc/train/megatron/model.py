@@ -151,7 +151,9 @@ def transformer_config(
         init_method_std=float(opts.get("init_std", 0.02)),
     )
     if trainer.precision == "fp8":
-        kw.update(fp8="hybrid", fp8_recipe=trainer.fp8_recipe)
+        from milehpc.config.precision import megatron_fp8_format
+
+        kw.update(fp8=megatron_fp8_format(trainer.fp8_recipe), fp8_recipe=trainer.fp8_recipe)
     if arch.is_moe:
         kw.update(
             num_moe_experts=arch.num_experts,
