@@ -150,3 +150,33 @@ def test_engine_killed_during_a_real_run_is_recovered_and_the_run_is_unchanged(t
     assert ref.wait(timeout=400) == 0
     different = differences(final_state(ref_dir, steps), final_state(run_dir, steps))
     assert not different, different[:5]
+
+
+@pytest.mark.parametrize("next_call", ["update_weights", "generate"])
+def test_engine_killed_between_generations_keeps_its_sampling_state(job: JobSpec, next_call: str) -> None:
+    """A death noticed at the next call of any kind (not mid-generation) must not reset the engine's RNG: the
+    following generation gives the samples of an engine that never died."""
+    prompts = [[3, 4, 5], [6, 7, 5]]
+    clean_engine = reference_in_child(to_dict(job), rank=0)
+    weights = _trained_weights(clean_engine)
+    clean_engine.update_weights(weights, 7)
+    clean_engine.generate(prompts, SAMPLING)
+    if next_call == "update_weights":
+        clean_engine.update_weights(weights, 8)
+    want = clean_engine.generate(prompts, SAMPLING)
+
+    engine = ProcessEngine(FACTORY, {"job": to_dict(job), "rank": 0})
+    sup = EngineSupervisor(engine)
+    try:
+        sup.update_weights(weights, version=7)
+        sup.generate(prompts, SAMPLING)
+        first = engine.pid
+        os.kill(engine.pid, signal.SIGKILL)  # idle: noticed at the next call
+        if next_call == "update_weights":
+            sup.update_weights(weights, version=8)
+        got = sup.generate(prompts, SAMPLING)
+        assert engine.pid != first and sup.stats()["engine_restarts"] == 1
+    finally:
+        sup.shutdown()
+    assert [(s.response_ids, s.rollout_logprobs) for s in got] == [(s.response_ids, s.rollout_logprobs)
+                                                                   for s in want]

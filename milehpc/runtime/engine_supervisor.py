@@ -245,6 +245,10 @@ class EngineSupervisor:
     _weights: list[tuple[str, Any]] | None = None
     _version: int = 0
     _next_id: int = 0
+    # The engine's sampling state (RNG) as of its last successful call: an engine that dies between generations
+    # (noticed at the next call of any kind) comes back with it, so later samples are those of a run without
+    # the crash.
+    _last_state: dict[str, Any] | None = None
 
     # ---- weights -----------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -303,6 +307,7 @@ class EngineSupervisor:
                 results[pid] = got
                 self.ledger.completed.add(pid)
         out = [s for pid in ids for s in results[pid]]
+        self._engine_state()  # remember the state after this generation (see _last_state)
         if samples is not None:
             # Engines continue partial rollouts in place (the caller keeps its Sample objects): copy back.
             for original, new in zip(items, out, strict=True):
@@ -314,9 +319,11 @@ class EngineSupervisor:
     # ---- recovery ----------------------------------------------------------------------------------
     def _engine_state(self) -> dict[str, Any] | None:
         try:
-            return self._with_recovery("state_dict", self.engine.state_dict)
+            state = self._with_recovery("state_dict", self.engine.state_dict)
         except RuntimeFailure:
             return None  # an engine without state_dict
+        self._last_state = state
+        return state
 
     def _recover(self, err: EngineDied, deaths: int, state: dict[str, Any] | None) -> None:
         self.restarts += 1
@@ -337,7 +344,7 @@ class EngineSupervisor:
             try:
                 return fn()
             except EngineDied as err:
-                self._recover(err, attempt + 1, None)
+                self._recover(err, attempt + 1, self._last_state)
         raise RuntimeFailure(f"engine kept dying during {what}")
 
     # ---- the rest of the protocol ------------------------------------------------------------------
@@ -365,10 +372,12 @@ class EngineSupervisor:
         return {**self._with_recovery("info", self.engine.info), **self.stats()}
 
     def state_dict(self) -> dict[str, Any]:
-        return self._with_recovery("state_dict", self.engine.state_dict)
+        self._last_state = self._with_recovery("state_dict", self.engine.state_dict)
+        return self._last_state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._with_recovery("load_state_dict", lambda: self.engine.load_state_dict(state))
+        self._last_state = state
 
 
 # ---- the reference engine, out of process ------------------------------------------------------------------
