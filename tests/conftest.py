@@ -1,8 +1,12 @@
-"""Shared test setup. Helpers of each area keep their fixtures in their own test files."""
+"""Shared test setup: thread count, the --rebaseline option, and the fixtures of the test Slurm cluster."""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+import pytest
 
 # Tests share 2 cores with MPI ranks: one intra-op thread per process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -11,3 +15,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def pytest_addoption(parser):
     parser.addoption("--rebaseline", action="store_true", default=False,
                      help="rewrite the golden job scripts in tests/golden/ from the current renderer")
+
+
+def _harness():
+    sys.path.insert(0, str(Path(__file__).parent / "cluster"))
+    import harness
+
+    return harness
+
+
+@pytest.fixture(scope="session")
+def slurm() -> str:
+    """The single-host test cluster (tests/cluster/slurm.sh), started if it is not running; skips with its reason
+    only if it cannot start."""
+    return _harness().ensure_cluster()
+
+
+@pytest.fixture
+def cli(tmp_path: Path, slurm: str):
+    """A milehpc CLI client against the test cluster, with its own state dir; cancels what it submitted."""
+    client = _harness().Cli(tmp_path)
+    yield client
+    client.cleanup()

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_model import TINY_MODEL
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -26,16 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_PROGRESS": "plain", "PYTHONWARNINGS": "ignore"}
 
-JOB = f"""
+JOB = """
 name = "megatron-reshard"
-[model]
-hidden_size = 32
-num_layers = 2
-num_heads = 4
-num_kv_heads = 2
-intermediate_size = 64
-max_position_embeddings = 32
-[data]
+""" + TINY_MODEL + f"""[data]
 source = "task:reverse"
 params = {{ min_len = 1, max_len = 4 }}
 [reward]

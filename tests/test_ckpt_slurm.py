@@ -26,14 +26,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 STEPS, DELAY = 24, 3.0  # 72 s of steps: more than the 30-60 s before the signal, so it must requeue
 
 
-@pytest.fixture
-def cli(tmp_path: Path):
-    harness.ensure_cluster()
-    client = harness.Cli(tmp_path)
-    yield client
-    client.cleanup()
-
-
 def _wait_releasing_late(job_id: str, *, timeout: float) -> list:
     """Wait for the job to end. A requeued job is held until cred_expire + 1 s (121 s here): release it, but only
     a few seconds after the hold began, once the previous incarnation's step is gone (releasing at once races

@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tiny_model import TINY_MODEL
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -76,14 +77,7 @@ def test_routing_replay_gives_the_engines_experts(checks: dict) -> None:
 
 JOB = """
 name = "megatron-grpo"
-[model]
-hidden_size = 32
-num_layers = 2
-num_heads = 4
-num_kv_heads = 2
-intermediate_size = 64
-max_position_embeddings = 32
-[data]
+""" + TINY_MODEL + """[data]
 source = "task:reverse"
 params = { min_len = 1, max_len = 5 }
 [reward]

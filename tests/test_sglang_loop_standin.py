@@ -17,26 +17,18 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tiny_model import TINY_MODEL
 
 pytestmark = [pytest.mark.mpi]
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = """
-[model]
-hidden_size = 32
-num_layers = 2
-num_heads = 4
-num_kv_heads = 2
-intermediate_size = 64
-max_position_embeddings = 32
-"""
 UPDATE = ["update_weights_from_distributed", "flush_cache"]
 
 
 def run_standin(tmp_path: Path, body: str, crash: str) -> tuple[list[dict], dict[int, list[dict]]]:
     """Run the job; returns (metrics records, per-rank list of the stand-ins' recorded calls)."""
     job, log, rdir = tmp_path / "job.toml", tmp_path / "calls", tmp_path / "run"
-    job.write_text(textwrap.dedent(body) + MODEL)
+    job.write_text(textwrap.dedent(body) + TINY_MODEL)
     log.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_PROGRESS": "plain", "MILEHPC_STANDIN_LOG": str(log),
            "MILEHPC_STANDIN_CRASH": crash,

@@ -19,11 +19,6 @@ import harness  # noqa: E402
 from milehpc.doctor import FAIL, OK, WARN, Doctor, mpi_flavour  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def slurm() -> str:
-    return harness.ensure_cluster()
-
-
 def _doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "milehpc", "doctor", *args], capture_output=True, text=True,
                           env=env or os.environ.copy(), timeout=180)

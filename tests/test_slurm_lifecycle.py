@@ -19,18 +19,6 @@ import harness  # noqa: E402
 pytestmark = pytest.mark.slurm
 
 
-@pytest.fixture(scope="session")
-def slurm() -> str:
-    return harness.ensure_cluster()
-
-
-@pytest.fixture
-def cli(tmp_path: Path, slurm: str):
-    client = harness.Cli(tmp_path)
-    yield client
-    client.cleanup()
-
-
 def test_submit_runs_to_completion_with_expected_output(cli, tmp_path):
     job = harness.write_job(tmp_path / "job.toml", "hello")
     run_dir = tmp_path / "run"

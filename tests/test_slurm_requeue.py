@@ -21,18 +21,6 @@ import harness  # noqa: E402
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="session")
-def slurm() -> str:
-    return harness.ensure_cluster()
-
-
-@pytest.fixture
-def cli(tmp_path: Path, slurm: str):
-    client = harness.Cli(tmp_path)
-    yield client
-    client.cleanup()
-
-
 def test_wall_time_signal_checkpoints_requeues_and_continues(cli, tmp_path):
     job = harness.write_job(tmp_path / "job.toml", "count", name="requeue", time_limit="00:01:00",
                             extra="[checkpoint]\nsignal_lead_s = 20\nmax_restarts = 3\n",
