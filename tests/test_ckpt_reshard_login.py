@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from tiny_model import TINY_MODEL
 
 from milehpc.config.load import load_job
 from milehpc.render.rundir import prepare, write_run_dir
@@ -32,13 +33,7 @@ BIN = Path(sys.executable).parent
 
 JOB = """
 name = "reshard-{backend}"
-[model]
-hidden_size = 32
-num_layers = 2
-num_heads = 4
-num_kv_heads = 2
-intermediate_size = 64
-[trainer]
+""" + TINY_MODEL + """[trainer]
 backend = "{backend}"
 [run]
 steps = 4
