@@ -1,7 +1,7 @@
 """Weight-sync benchmark: bucketed, named broadcast vs a single flat-tensor broadcast of the same bytes.
 
 One source (the trainer's stage leader) and 2 rollout ranks in a real weight-sync group (gloo on CPU), built by
-``milehpc.runtime.comm.bootstrap`` exactly as in a job. The model is ~200 MB of Qwen2-shaped parameters (bf16
+``milehpc.comm.world.bootstrap`` exactly as in a job. The model is ~200 MB of Qwen2-shaped parameters (bf16
 matrices, fp32 norms and biases). Each repetition times, side by side:
 
 * ``flat``: one ``broadcast`` of a single preallocated uint8 tensor with the same number of bytes (the ceiling);
@@ -63,11 +63,11 @@ def _label(size: int) -> str:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
+    from milehpc.comm.world import bootstrap
     from milehpc.config.load import job_from_dict
     from milehpc.config.site import Launcher, Partition
     from milehpc.plan import make_plan
-    from milehpc.runtime.comm import bootstrap
-    from milehpc.runtime.weights import plan_buckets, recv_weights_stream, send_weights
+    from milehpc.weights.broadcast import plan_buckets, recv_weights_stream, send_weights
 
     torch.set_num_threads(1)
     job = job_from_dict({"name": "bench-weight-sync", "rollout": {"engines": 2},

@@ -286,7 +286,7 @@ def completion(shell: str) -> None:
 
 
 def main() -> None:
-    from milehpc.runtime.hygiene import install_log_masking
+    from milehpc.hygiene import install_log_masking
 
     install_log_masking()  # secrets in the environment never reach what milehpc logs
     cli(prog_name="milehpc")

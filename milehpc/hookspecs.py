@@ -2,7 +2,8 @@
 
 Register hooks are generators (conda style): they ``yield`` the dataclasses of ``milehpc.plugin_types``.
 A name registered twice, by two plugins, is an error naming both. Chooser hooks use ``firstresult``.
-A test fails if a hookspec here has no docstring.
+A test fails if a hookspec here has no docstring, or if its example does not run or registers a target that does
+not resolve (tests/test_plugins_core.py).
 """
 
 from __future__ import annotations
@@ -34,12 +35,16 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def milehpc_sites() -> Iterable[SiteConfig]:
     """Register sites (clusters). ``impl`` is the path of a site TOML file or a callable returning its dict.
 
-    Example::
+    Example (the site plugin in ``plugins/milehpc-site-example``; in a plugin's own module the path is
+    ``Path(__file__).with_name("example-cluster.toml")``)::
+
+        import milehpc_site_example
 
         @hookimpl
         def milehpc_sites():
-            yield SiteConfig(name="mycluster", impl=str(Path(__file__).parent / "mycluster.toml"),
-                             description="My centre's GPU partition")
+            toml = Path(milehpc_site_example.__file__).with_name("example-cluster.toml")
+            yield SiteConfig(name="example-cluster", impl=str(toml),
+                             description="Example Centre's cluster: 4 A100 per GPU node")
     """
 
 
@@ -59,12 +64,12 @@ def milehpc_container_runtimes() -> Iterable[ContainerRuntime]:
 def milehpc_rewards() -> Iterable[RewardFunction]:
     """Register reward functions, selected by ``[reward] name`` in the job spec.
 
-    Example::
+    Example (the reward plugin in ``plugins/milehpc-reward-example``)::
 
         @hookimpl
         def milehpc_rewards():
-            yield RewardFunction(name="length_penalty", impl="mypkg.rewards:length_penalty",
-                                 defaults={"target": 32})
+            yield RewardFunction(name="length_target", impl="milehpc_reward_example.rewards:length_target",
+                                 defaults={"target": 8, "width": 8})
     """
 
 
@@ -89,34 +94,35 @@ def milehpc_policy_losses() -> Iterable[PolicyLoss]:
 
         @hookimpl
         def milehpc_policy_losses():
-            yield PolicyLoss(name="ppo_clip", impl="milehpc.algorithms.losses:ppo_clip_loss",
-                             defaults={"clip_low": 0.2, "clip_high": 0.2})
+            yield PolicyLoss(name="ppo_clip", impl="milehpc.algorithms.losses:ppo_clip",
+                             defaults={"clip_low": 0.2, "clip_high": 0.2, "clip_ratio_c": 3.0})
     """
 
 
 @hookspec
 def milehpc_rollout_engines() -> Iterable[RolloutEngine]:
-    """Register rollout engines, selected by ``[rollout] engine``.
+    """Register rollout engines, selected by ``[rollout] engine``. ``impl(ctx)`` builds the rank's engine.
 
     Example::
 
         @hookimpl
         def milehpc_rollout_engines():
-            yield RolloutEngine(name="sglang", impl="milehpc.rollout.sglang_engine:SGLangEngine",
-                                requires=("sglang",))
+            yield RolloutEngine(name="sglang", impl="milehpc.rollout.sglang_engine:from_context",
+                                requires=("sglang",), direct_weight_sync=True)
     """
 
 
 @hookspec
 def milehpc_trainers() -> Iterable[Trainer]:
-    """Register trainer backends, selected by ``[trainer] backend``.
+    """Register trainer backends, selected by ``[trainer] backend``. ``impl(ctx)`` builds the rank's trainer.
 
     Example::
 
         @hookimpl
         def milehpc_trainers():
-            yield Trainer(name="megatron", impl="milehpc.train.megatron:MegatronTrainer",
-                          requires=("megatron.core",))
+            yield Trainer(name="megatron", impl="milehpc.train.megatron.trainer:from_context",
+                          requires=("megatron.core", "torch", "transformers"),
+                          can_reshard="milehpc.train.megatron.checkpoint:can_reshard")
     """
 
 
@@ -129,7 +135,7 @@ def milehpc_weight_converters() -> Iterable[WeightConverter]:
         @hookimpl
         def milehpc_weight_converters():
             yield WeightConverter(name="megatron-to-hf", source="megatron", target="hf",
-                                  impl="milehpc.train.megatron_convert:megatron_to_hf")
+                                  impl="milehpc.train.megatron.convert:megatron_to_hf")
     """
 
 
@@ -141,7 +147,7 @@ def milehpc_tasks() -> Iterable[Task]:
 
         @hookimpl
         def milehpc_tasks():
-            yield Task(name="sort", impl="milehpc.data.toy:sort_task", reward="sort_exact",
+            yield Task(name="sort", impl="milehpc.data.tasks:sort_task", reward="toy_match",
                        defaults={"min_len": 4, "max_len": 5})
     """
 
@@ -154,7 +160,8 @@ def milehpc_generators() -> Iterable[Generator]:
 
         @hookimpl
         def milehpc_generators():
-            yield Generator(name="calculator", impl="mypkg.env:calculator_rollout", defaults={"max_turns": 3})
+            yield Generator(name="toy_retry", impl="milehpc.rollout.multiturn:retry_generator",
+                            defaults={"max_turns": 2})
     """
 
 

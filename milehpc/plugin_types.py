@@ -77,7 +77,17 @@ class PolicyLoss(Registered):
 
 @dataclass(frozen=True)
 class RolloutEngine(Registered):
-    """``impl(ctx) -> engine``; the engine protocol is in ``milehpc.rollout.engine``."""
+    """``impl(ctx) -> engine``; the engine protocol is in ``milehpc.rollout.engine``.
+
+    ``direct_weight_sync``: on separate rollout ranks the trainer's stage leaders send the weights straight into the
+    engine's own update group (:mod:`milehpc.weights.sglang`; the engine implements
+    :class:`milehpc.rollout.engine.DirectSyncEngine`) instead of the bucketed broadcast to the rollout rank."""
+
+    direct_weight_sync: bool = False
+    # ``None`` or a callable / lazy ``"module:attr"`` reference ``(options, *, file) -> Any`` that validates
+    # ``rollout.options`` in full beyond ``defaults`` (one-line ConfigError). The login node calls it: keep its module
+    # import-light.
+    check_options: Ref | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,7 @@ class Trainer(Registered):
     ``can_reshard``: ``None`` (a checkpoint resumes only at the layout it was written with) or a callable / lazy
     ``"module:attr"`` reference ``(saved_parallel, current_parallel) -> bool`` saying whether this trainer can load
     a checkpoint written at another rank layout (the ``parallel`` part of the checkpoint's layout record, see
-    :func:`milehpc.runtime.checkpoint.layout_record`). The login node calls it too: keep its module import-light."""
+    :func:`milehpc.checkpoint.layout_record`). The login node calls it too: keep its module import-light."""
 
     can_reshard: Ref | None = None
 

@@ -107,11 +107,11 @@ def main() -> int:
 
     from milehpc.config.precision import resolve_precision
     from milehpc.data.tokenizer import build_tokenizer
+    from milehpc.models import hf_config
     from milehpc.rollout import sglang_mapping as sm
     from milehpc.rollout.engine import SamplingParams
     from milehpc.rollout.sglang_engine import SGLangEngine
     from milehpc.runtime.colocate import ColocatedStep, gpu_used_bytes, torch_memory_saver_backend
-    from milehpc.train.model import hf_config
     from milehpc.train.torch_trainer import TorchTrainer
 
     ensure_builtin_plugins()
@@ -167,7 +167,7 @@ def main() -> int:
     steps = []
     for step in range(args.steps):
         t0 = time.perf_counter()
-        samples, metrics = colo.step(prompts(), sp, step, version=step + 1, score=reward)
+        samples, metrics = colo.step(prompts(), sp, step, score=reward)
         new_tokens = sum(len(s.response_ids) for s in samples)
         rec = {"step": step, "step_s": time.perf_counter() - t0, "samples": len(samples),
                "gen_tokens": new_tokens, "gen_tokens_per_s": new_tokens / colo.report.times["generate"],

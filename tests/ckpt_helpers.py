@@ -102,7 +102,7 @@ def final_state(run_dir: Path, steps: int) -> dict[str, Any]:
     """Trainer rank 0's model parameters and optimizer state in the run's final checkpoint."""
     import torch
 
-    from milehpc.runtime.checkpoint import list_checkpoints
+    from milehpc.checkpoint import list_checkpoints
 
     newest = list_checkpoints(run_dir / "checkpoints")[0]
     assert newest.step == steps, f"the newest checkpoint is step {newest.step}, not the end ({steps})"

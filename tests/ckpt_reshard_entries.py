@@ -1,6 +1,6 @@
 """Rank entry for tests/test_ckpt_reshard_mpi.py, set as the job's ``[env] MILEHPC_ENTRY`` so that it runs through
 the rendered job script: the real RL loop (``milehpc.runtime.loop:run``) with the real
-:class:`~milehpc.runtime.checkpoint.LoopCheckpoint`, which additionally records the trainer's weights — gathered to
+:class:`~milehpc.runtime.loop.checkpointing.LoopCheckpoint`, which additionally records the trainer's weights — gathered to
 full HF-named tensors by the trainer's own export — each time it checkpoints and right after it resumed, into
 ``RUN_DIR/probe/{saved,resumed}-STEP.pt`` (written by trainer rank 0); and the job's reward. Imported by the
 ranks only."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from milehpc.runtime.checkpoint import LoopCheckpoint
+from milehpc.runtime.loop.checkpointing import LoopCheckpoint
 
 
 def token_reward(sample: Any) -> float:
@@ -35,15 +35,13 @@ class RecordingCheckpoint(LoopCheckpoint):
             self._record(trainer, "resumed", self.resumed_step)
         return resumed
 
-    def _save(self, done: int, trainer: Any, rollout: Any, stop: bool) -> None:
+    def save(self, done: int, *, trainer: Any, rollout: Any, stop: bool) -> None:
         if trainer is not None:
             self._record(trainer, "saved", done)
-        super()._save(done, trainer, rollout, stop)
+        super().save(done, trainer=trainer, rollout=rollout, stop=stop)
 
 
 def run(ctx: Any) -> Any:
     from milehpc.runtime import loop
 
-    ctx.checkpointing = RecordingCheckpoint.for_context(ctx)
-    ctx.checkpoint_hook = ctx.checkpointing.hook
-    return loop.run(ctx)
+    return loop.run(ctx, checkpointing=RecordingCheckpoint.for_context(ctx))

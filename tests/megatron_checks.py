@@ -44,7 +44,7 @@ def _job(**trainer: Any) -> Any:
 def _samples(seed: int, n: int = 6) -> list[Any]:
     import torch
 
-    from milehpc.rollout.sample import Sample
+    from milehpc.samples import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -71,9 +71,9 @@ def check_logits(comm: Any) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from milehpc.models import build_model
     from milehpc.train.megatron.model import attention_mask
     from milehpc.train.megatron.trainer import MegatronTrainer, vocab_parallel_logprobs
-    from milehpc.train.model import build_model
 
     out: dict[str, Any] = {}
     for arch in ("qwen2", "llama"):
@@ -108,8 +108,8 @@ def check_logits(comm: Any) -> dict[str, Any]:
 
 def check_from_path(comm: Any, work: str) -> dict[str, Any]:
     """model.path: the trainer reads the HF checkpoint folder (config + weights) instead of the [model] table."""
+    from milehpc.models import build_model
     from milehpc.train.megatron.trainer import MegatronTrainer
-    from milehpc.train.model import build_model
 
     folder = f"{work}/hf-llama"
     hf = build_model(_job(model={"arch": "llama"}).model, V, seed=11)
@@ -153,8 +153,8 @@ def check_ckpt(comm: Any, work: str) -> dict[str, Any]:
 def check_replay(comm: Any) -> dict[str, Any]:
     import torch
 
+    from milehpc.models import build_model
     from milehpc.train.megatron.trainer import MegatronTrainer
-    from milehpc.train.model import build_model
 
     job = _job(tp=1, ep=2, dp=2, lr=5e-2, micro_batch_size=4, options={"routing_replay": True},
                model={"num_experts": 4, "moe_top_k": 2, "intermediate_size": 32})

@@ -103,7 +103,8 @@ def _groups(ctx: Any) -> dict[str, Any]:
 def _sync(ctx: Any) -> dict[str, Any]:
     """Bucketed sync of model_tensors() to every rollout rank, bit-exact; then check_weight_update_equal, clean and
     with one corrupted parameter on the last rank."""
-    from milehpc.runtime.weights import check_weight_update_equal, compare_named_tensors, sync_weights
+    from milehpc.weights.check import check_weight_update_equal, compare_named_tensors
+    from milehpc.weights.sync import sync_weights
 
     comms, plan = ctx.comms, ctx.plan
     bucket = int(os.environ.get("TEST_BUCKET_BYTES", 64 * 1024))
@@ -146,7 +147,8 @@ def _sync(ctx: Any) -> dict[str, Any]:
 
 def colocated(ctx: Any) -> None:
     """Colocated: every rank is trainer and rollout; weights go into the engine in place, no broadcast."""
-    from milehpc.runtime.weights import compare_named_tensors, sync_weights
+    from milehpc.weights.check import compare_named_tensors
+    from milehpc.weights.sync import sync_weights
 
     data = _groups(ctx)
     engine = DictEngine()
@@ -164,7 +166,7 @@ def die(ctx: Any) -> None:
         time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
     if comms.sync_groups:
-        from milehpc.runtime.weights import sync_weights
+        from milehpc.weights.sync import sync_weights
 
         engine = DictEngine() if comms.is_rollout else None
         sync_weights(comms, 1, named_tensors=model_tensors(layers=2), engine=engine)

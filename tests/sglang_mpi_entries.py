@@ -2,7 +2,7 @@
 
 The engine leaders run milehpc's real :class:`SGLangEngine` around :class:`SchedulerStandInEngine` (SGLang's
 scheduler side, written from its source: sglang cannot be installed here); the trainer stage leaders run the real
-:mod:`milehpc.rollout.sglang_sync`. Each rank writes ``RUN_DIR/out/rank-N.json``.
+:mod:`milehpc.weights.sglang`. Each rank writes ``RUN_DIR/out/rank-N.json``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def sglang_sync(ctx: Any) -> None:
 
     from milehpc.rollout import sglang_mapping as sm
     from milehpc.rollout.sglang_engine import SGLangEngine
-    from milehpc.rollout.sglang_sync import sync_weights
+    from milehpc.weights.sglang import sync_weights
 
     comms, plan = ctx.comms, ctx.plan
     engine = None

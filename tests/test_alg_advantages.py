@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from milehpc.algorithms import advantages as A
-from milehpc.rollout.batch import to_batch
-from milehpc.rollout.sample import Sample, Status
+from milehpc.samples import Sample, Status
+from milehpc.samples.batch import to_batch
 
 EPS = 1e-6
 

@@ -137,7 +137,7 @@ def _ddp_case():
     """A tiny 'language model' (next-token logits from an embedding of the current token), a batch of 6
     samples in 3 groups with rewards, and the GRPO advantages of the whole batch."""
     from milehpc.config.job import AlgorithmSpec
-    from milehpc.rollout.sample import Sample
+    from milehpc.samples import Sample
 
     gen = torch.Generator().manual_seed(7)
     samples = []
@@ -155,7 +155,7 @@ def _ddp_rank(rank: int, world: int, store: str, out_dir: str, modes: list[str])
     import torch.distributed as dist
 
     from milehpc.algorithms.api import Algorithm
-    from milehpc.rollout.batch import to_batch
+    from milehpc.samples.batch import to_batch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -204,7 +204,7 @@ def test_ddp_gloo_gradients_equal_single_rank_union(tmp_path):
     import torch.multiprocessing as mp
 
     from milehpc.algorithms.api import Algorithm
-    from milehpc.rollout.batch import to_batch
+    from milehpc.samples.batch import to_batch
 
     world, modes = 2, list(MODES)
     ctx = mp.start_processes(_ddp_rank, args=(world, str(tmp_path / "store"), str(tmp_path), modes),

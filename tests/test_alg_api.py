@@ -15,8 +15,8 @@ from milehpc.config.load import job_from_dict
 from milehpc.errors import ConfigError, PluginError
 from milehpc.hookspecs import hookimpl
 from milehpc.plugin_types import AdvantageEstimator, PolicyLoss
-from milehpc.rollout.batch import to_batch
-from milehpc.rollout.sample import Sample
+from milehpc.samples import Sample
+from milehpc.samples.batch import to_batch
 
 
 def job(**algorithm):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from milehpc.rollout.batch import Batch, from_batch, to_batch
-from milehpc.rollout.sample import Sample, Status
+from milehpc.samples import Sample, Status
+from milehpc.samples.batch import Batch, from_batch, to_batch
 
 PAD = 0
 

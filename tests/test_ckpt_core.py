@@ -18,15 +18,10 @@ import numpy as np
 import pytest
 import torch
 
+from milehpc.checkpoint import MANIFEST, Checkpointer, list_checkpoints
 from milehpc.errors import ConfigError
-from milehpc.rollout.sample import Sample, Status
-from milehpc.runtime.checkpoint import (
-    MANIFEST,
-    Checkpointer,
-    list_checkpoints,
-    read_samples_h5,
-    write_samples_h5,
-)
+from milehpc.samples import Sample, Status
+from milehpc.samples.h5 import read_samples_h5, write_samples_h5
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -176,7 +171,7 @@ def test_no_checkpoint_means_fresh_start(tmp_path: Path) -> None:
 
 _WRITER = textwrap.dedent("""
     import sys, time, torch
-    from milehpc.runtime import checkpoint as ck
+    from milehpc import checkpoint as ck
     root = sys.argv[1]
     c = ck.Checkpointer(root, keep=3)
     c.save(1, {"w": torch.full((8,), 1.0)})
@@ -227,8 +222,8 @@ def test_resume_run_dir_for_submit_resume(tmp_path: Path) -> None:
 
     from ckpt_helpers import job_toml, prepare_local
 
+    from milehpc.checkpoint import layout_record, resume_run_dir
     from milehpc.errors import MilehpcError
-    from milehpc.runtime.checkpoint import layout_record, resume_run_dir
     from milehpc.runtime.launch import load_run_dir
 
     with pytest.raises(MilehpcError, match="not a milehpc run dir"):

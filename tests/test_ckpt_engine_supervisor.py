@@ -14,11 +14,11 @@ from milehpc.config.job import JobSpec
 from milehpc.config.schema import build, to_dict
 from milehpc.rollout.engine import SamplingParams
 from milehpc.rollout.reference import ReferenceEngine
-from milehpc.runtime.engine_supervisor import EngineSupervisor, ProcessEngine, reference_in_child
+from milehpc.rollout.supervisor import EngineSupervisor, ProcessEngine, reference_in_child
 
 TINY = {"name": "sup", "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
                                  "intermediate_size": 64}, "run": {"seed": 3}}
-FACTORY = "milehpc.runtime.engine_supervisor:reference_in_child"
+FACTORY = "milehpc.rollout.supervisor:reference_in_child"
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=6, n=3)
 
 
@@ -126,7 +126,7 @@ def test_engine_killed_during_a_real_run_is_recovered_and_the_run_is_unchanged(t
         out = []
         for proc in psutil.process_iter(["cmdline"]):
             cmd = " ".join(proc.info["cmdline"] or [])
-            if "engine_supervisor import _worker" in cmd:
+            if "rollout.supervisor import _worker" in cmd:
                 try:
                     if str(run_dir) in " ".join(proc.parent().cmdline()):
                         out.append(proc)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from milehpc import hygiene
+from milehpc.checkpoint import Checkpointer
 from milehpc.errors import StorageError
-from milehpc.runtime import hygiene, signals
-from milehpc.runtime.checkpoint import Checkpointer
+from milehpc.runtime import signals
 
 
 def test_private_dir_ignores_umask(tmp_path: Path) -> None:
@@ -164,7 +165,7 @@ def test_login_node_import_stays_light() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, milehpc.runtime.hygiene, milehpc.runtime.signals, milehpc.runtime.checkpoint; "
+    code = ("import sys, milehpc.hygiene, milehpc.runtime.signals, milehpc.checkpoint; "
             "print(' '.join(m for m in ('torch', 'numpy', 'h5py', 'mpi4py') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == ""

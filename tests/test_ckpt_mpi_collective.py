@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys, torch
     from mpi4py import MPI
     from pathlib import Path
-    from milehpc.runtime.checkpoint import Checkpointer, MPICollective, list_checkpoints
+    from milehpc.checkpoint import Checkpointer, MPICollective, list_checkpoints
     root, out = sys.argv[1], sys.argv[2]
     comm = MPI.COMM_WORLD
     coll = MPICollective(comm, timeout_s=60)

@@ -16,16 +16,10 @@ from types import SimpleNamespace
 import pytest
 from tiny_model import TINY_MODEL
 
+from milehpc.checkpoint import Checkpointer, CheckpointInfo, layout_record, reshard_check, resume_run_dir
 from milehpc.config.load import load_job
 from milehpc.render.rundir import prepare, write_run_dir
-from milehpc.runtime.checkpoint import (
-    Checkpointer,
-    CheckpointInfo,
-    LoopCheckpoint,
-    layout_record,
-    reshard_check,
-    resume_run_dir,
-)
+from milehpc.runtime.loop.checkpointing import LoopCheckpoint
 from milehpc.train.megatron.checkpoint import can_reshard
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from milehpc.checkpoint import list_checkpoints
 from milehpc.config.job import JobSpec
 from milehpc.config.schema import build
 from milehpc.runtime import signals
-from milehpc.runtime.checkpoint import list_checkpoints
 from milehpc.runtime.loop import run_local
 
 STEPS = 6
@@ -100,8 +100,8 @@ def test_interrupted_sync_loop_ends_bitwise_equal(tmp_path: Path, reference: dic
 
 
 def test_a_different_model_refuses_to_resume(tmp_path: Path) -> None:
+    from milehpc.checkpoint import Checkpointer, layout_record
     from milehpc.errors import ConfigError
-    from milehpc.runtime.checkpoint import Checkpointer, layout_record
 
     job = _job()
     Checkpointer(tmp_path, layout={"parallel": {}, "model": {"hidden_size": 64}}).save(1, {})

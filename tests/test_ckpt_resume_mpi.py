@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from ckpt_helpers import differences, final_state, job_toml, prepare_local, start_script
 
+from milehpc.checkpoint import resume_run_dir
 from milehpc.runtime import signals
-from milehpc.runtime.checkpoint import resume_run_dir
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 

@@ -8,11 +8,11 @@ import pytest
 
 from milehpc.config.job import DataSpec
 from milehpc.data.source import PromptSource, build_source, read_jsonl
-from milehpc.data.store import list_steps, read_rollouts, write_rollouts
 from milehpc.data.tasks import addition_task, match_score, reverse_task, sort_task, toy_match
 from milehpc.data.tokenizer import CharTokenizer
 from milehpc.errors import ConfigError, MilehpcError
-from milehpc.rollout.sample import Sample, Status
+from milehpc.samples import Sample, Status
+from milehpc.samples.dumps import list_steps, read_rollouts, write_rollouts
 
 
 def test_char_tokenizer_round_trip_and_specials() -> None:
@@ -122,9 +122,10 @@ def test_hdf5_rollouts_round_trip(tmp_path) -> None:
     samples = [
         Sample(prompt_ids=[1, 5, 6], response_ids=[7, 8, 2], rollout_logprobs=[-0.5, -1.25, -0.125],
                loss_mask=[1, 0, 1], reward=1.0, group=4, index=32, weight_version=3, label="12",
-               prompt_text="sort:21=", response_text="12", status=Status.COMPLETED),
+               prompt_text="sort:21=", response_text="12", status=Status.COMPLETED,
+               metadata={"turns": 2, "answer": "12"}, routed_experts=[[[0, 1]], [[1, 0]], [[0, 0]]]),
         Sample(prompt_ids=[1], response_ids=[], reward={"score": 0.25, "format": 1.0}, group=4, index=33,
-               status=Status.FAILED, label=["a", "b"]),
+               status=Status.FAILED, label=["a", "b"], metadata={"reward_error": "ValueError: x"}),
     ]
     write_rollouts(tmp_path, 7, samples, {"trainer_version": 4})
     got, attrs = read_rollouts(tmp_path, 7)

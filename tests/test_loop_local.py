@@ -5,7 +5,6 @@ and the torch trainer's SFT / KL / critic paths."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -14,18 +13,13 @@ from click.testing import CliRunner
 from milehpc.config.job import JobSpec
 from milehpc.config.load import job_from_dict
 from milehpc.data.tokenizer import CharTokenizer
+from milehpc.models import build_model
 from milehpc.rollout.reference import ReferenceEngine
-from milehpc.rollout.sample import Sample, Status
-from milehpc.runtime.loop import (
-    LoopState,
-    RolloutSide,
-    deal_groups,
-    required_version,
-    rollout_metrics,
-    run_local,
-    sync_versions,
-)
-from milehpc.train.model import build_model
+from milehpc.runtime.loop import run_local
+from milehpc.runtime.loop.rollout_side import RolloutSide
+from milehpc.runtime.loop.schedule import deal_groups, required_version, rollout_metrics, sync_versions
+from milehpc.runtime.loop.state import LoopState
+from milehpc.samples import Sample, Status
 from milehpc.train.torch_trainer import TorchTrainer, lr_factor
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
@@ -132,29 +126,30 @@ def test_multi_turn_toy_environment_masks_environment_tokens() -> None:
     assert stats["scored"] == len(samples)
 
 
-def test_loop_state_round_trip_restores_buffers_and_rng() -> None:
+def test_loop_state_round_trip_through_the_checkpoint_files(tmp_path) -> None:
+    """Scalars through torch.save (the .pt shard), sample buffers through the HDF5 codec (the .h5 shard)."""
+    from milehpc.samples.h5 import read_samples_h5, write_samples_h5
+
     st = LoopState(step=4, weight_version=3, data={"cursor": 9},
                    carry=[Sample(prompt_ids=[1], response_ids=[5], status=Status.ABORTED, group=2)],
-                   ready=[[Sample(prompt_ids=[1], response_ids=[6, 2], reward=1.0, group=3)]],
-                   pending=[("batch", 5, [[Sample(prompt_ids=[1], group=8)]], {"samples": 1.0})])
-    saved = st.state_dict()
-    expect = (random.random(), torch.rand(2))
+                   ready=[[Sample(prompt_ids=[1], response_ids=[6, 2], reward=1.0, group=3)]], sft_done=True)
+    torch.save(st.state_dict(), tmp_path / "s.pt")
+    write_samples_h5(tmp_path / "s.h5", st.sample_buffers())
     other = LoopState()
-    other.load_state_dict(saved)
-    assert (random.random(), torch.rand(2))[0] == expect[0]
-    assert other.step == 4 and other.weight_version == 3 and other.data == {"cursor": 9}
+    other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True), read_samples_h5(tmp_path / "s.h5"))
+    assert other.step == 4 and other.weight_version == 3 and other.data == {"cursor": 9} and other.sft_done
+    assert other.carry == st.carry and other.ready == st.ready
     assert other.carry[0].status is Status.ABORTED and other.ready[0][0].reward == 1.0
-    assert other.pending[0][2][0][0].group == 8
 
 
 def test_rollout_side_state_resumes_the_prompt_stream() -> None:
     job = tiny_job()
     a = rollout_side(job)
     a.produce()
-    state = a.state_dict()
+    state, buffers = a.state_dict(), a.sample_buffers()
     want = [s.prompt_text for g in a.produce()[0] for s in g]
     b = rollout_side(job)
-    b.load_state_dict(state)
+    b.load_state_dict(state, buffers)
     assert [s.prompt_text for g in b.produce()[0] for s in g] == want
 
 
@@ -194,13 +189,13 @@ def _batch(job: JobSpec, seed: int = 0) -> list[Sample]:
 
 
 def test_sft_warmup_lowers_the_loss() -> None:
-    from milehpc.runtime.loop import TrainerSide
+    from milehpc.runtime.loop.trainer_side import TrainerSide
 
     job = tiny_job(trainer={"sft_warmup_steps": 25, "sft_lr": 3e-3})
     tok = CharTokenizer()
     side = TrainerSide(job, TorchTrainer(job, tok), run_dir=None)
     batches = list(side.sft_batches())
-    opt = side.trainer._adamw(side.trainer.model.parameters(), 3e-3)
+    opt = side.trainer.sft_optimizer(3e-3)
     first = side.trainer.sft_step(batches[0], opt)["sft/loss"]
     for b in batches[1:]:
         last = side.trainer.sft_step(b, opt)["sft/loss"]
@@ -248,11 +243,13 @@ def test_trainer_checkpoint_state_round_trip() -> None:
 
 
 def test_distillation_without_teacher_is_a_clear_error() -> None:
+    """The job rules refuse it (milehpc.config.rules, login side); the in-process runner checks them too, before
+    building anything. The torch trainer itself assumes a valid job."""
     from milehpc.errors import ConfigError
 
     job = tiny_job(algorithm={"advantage": "distill"})
-    with pytest.raises(ConfigError, match="teacher_path"):
-        TorchTrainer(job, CharTokenizer())
+    with pytest.raises(ConfigError, match="trainer.options.teacher_path: on-policy distillation"):
+        run_local(job)
 
 
 def test_run_command_rejects_bad_input_in_one_line(tmp_path) -> None:
@@ -265,15 +262,8 @@ def test_run_command_rejects_bad_input_in_one_line(tmp_path) -> None:
     assert not (tmp_path / "r").exists()
 
 
-def test_loop_settings_that_do_not_fit_together_are_one_line_errors() -> None:
+def test_single_process_runs_refuse_other_loops_in_one_line() -> None:
     from milehpc.errors import ConfigError
-    from milehpc.runtime.loop import check_job
 
-    with pytest.raises(ConfigError, match="off_policy_correction") as err:
-        check_job(tiny_job(run={"loop": "async", "stale_policy": "correct"}), file="job.toml")
-    assert "run.stale_policy" in str(err.value) and "job.toml" in str(err.value)
-    check_job(tiny_job(run={"loop": "async", "stale_policy": "correct"}, algorithm={"off_policy_correction": "tis"}))
-    with pytest.raises(ConfigError, match="custom generator"):
-        check_job(tiny_job(rollout={"generator": "toy_retry", "partial_rollout": True}))
-    with pytest.raises(ConfigError, match="single-process run supports only"):
+    with pytest.raises(ConfigError, match="single-process run"):
         run_local(tiny_job(run={"loop": "one_step_off"}))

@@ -108,7 +108,7 @@ def test_one_step_off_and_async_weight_schedules(tmp_path) -> None:
     fully = run_job(tmp_path / "async", body.format(name="async", loop="async"))
     assert len(fully) == 6
     assert all(r["async/staleness_max"] <= 2 and r["async/dropped_groups"] == 0 for r in fully)
-    from milehpc.data.store import read_rollouts
+    from milehpc.samples.dumps import read_rollouts
 
     samples, attrs = read_rollouts(tmp_path / "async" / "run", 5)
     assert attrs["trainer_version"] == 6

@@ -9,9 +9,9 @@ import torch
 import transformers
 
 from milehpc.config.job import ModelSpec
+from milehpc.models import hf_config
 from milehpc.train.megatron import convert
 from milehpc.train.megatron.model import arch_of, padded_vocab_size
-from milehpc.train.model import hf_config
 
 V = 37
 
@@ -125,7 +125,7 @@ def test_pipeline_stage_renaming_and_local_shards() -> None:
 
 
 def test_converter_plugin_gathers_tp_shards() -> None:
-    from milehpc.runtime.weights import find_converter
+    from milehpc.weights.converters import find_converter
 
     model = _hf("llama")
     arch = arch_of(model.config)

@@ -8,10 +8,10 @@ import torch
 from milehpc.config.job import JobSpec, ModelSpec
 from milehpc.data.tasks import sort_task
 from milehpc.data.tokenizer import CharTokenizer
+from milehpc.models import build_model
 from milehpc.rollout.engine import SamplingParams
 from milehpc.rollout.reference import ReferenceEngine, filter_logits
-from milehpc.rollout.sample import Status
-from milehpc.train.model import build_model
+from milehpc.samples import Status
 
 TOK = CharTokenizer()
 SPEC = ModelSpec(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,

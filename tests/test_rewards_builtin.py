@@ -13,7 +13,7 @@ from milehpc.rewards.extract import (
     normalize_math,
     parse_number,
 )
-from milehpc.rollout.sample import Sample
+from milehpc.samples import Sample
 
 
 def s(text, label=None, group=0, n_tokens=1):

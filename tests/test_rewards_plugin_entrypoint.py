@@ -13,7 +13,7 @@ from milehpc import plugins
 from milehpc.config.load import job_from_dict
 from milehpc.errors import ConfigError
 from milehpc.rewards.api import RewardRunner
-from milehpc.rollout.sample import Sample
+from milehpc.samples import Sample
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "plugins" / "milehpc-reward-example"
 

@@ -12,8 +12,8 @@ from milehpc.config.job import RewardSpec
 from milehpc.config.load import job_from_dict
 from milehpc.errors import ConfigError, PluginError
 from milehpc.rewards.api import RewardRunner
-from milehpc.rollout.batch import to_batch
-from milehpc.rollout.sample import Sample, Status
+from milehpc.samples import Sample, Status
+from milehpc.samples.batch import to_batch
 
 CUSTOM = '''
 import asyncio

@@ -12,17 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from milehpc.comm import devices, net
 from milehpc.errors import ConfigError, PluginError, RuntimeFailure
-from milehpc.runtime import comm, devices
-from milehpc.runtime.weights import (
-    ALIGN,
-    _pack,
-    _unpack,
-    compare_named_tensors,
-    find_converter,
-    identity,
-    plan_buckets,
-)
+from milehpc.weights.broadcast import ALIGN, _pack, _unpack, plan_buckets
+from milehpc.weights.check import compare_named_tensors
+from milehpc.weights.converters import find_converter, identity
 
 # ---- devices ----------------------------------------------------------------------------------------------
 
@@ -152,15 +146,15 @@ def test_compare_exact_catches_a_one_ulp_change_and_dtype_and_missing() -> None:
 
 
 def test_seeded_port_is_stable_and_in_range() -> None:
-    assert comm.seeded_port("12345") == comm.seeded_port("12345")
-    assert comm.seeded_port("12345") != comm.seeded_port("12346")
-    assert all(20000 <= comm.seeded_port(str(i), a) < 60000 for i in range(50) for a in range(3))
+    assert net.seeded_port("12345") == net.seeded_port("12345")
+    assert net.seeded_port("12345") != net.seeded_port("12346")
+    assert all(20000 <= net.seeded_port(str(i), a) < 60000 for i in range(50) for a in range(3))
 
 
 def test_host_store_skips_a_busy_port() -> None:
-    first, port1 = comm.host_store("127.0.0.1", "busy-port-test", 1, 10)
-    second, port2 = comm.host_store("127.0.0.1", "busy-port-test", 1, 10)  # same seed: the port is taken
-    assert port1 == comm.seeded_port("busy-port-test") or port1 == comm.seeded_port("busy-port-test", 1)
+    first, port1 = net.host_store("127.0.0.1", "busy-port-test", 1, 10)
+    second, port2 = net.host_store("127.0.0.1", "busy-port-test", 1, 10)  # same seed: the port is taken
+    assert port1 == net.seeded_port("busy-port-test") or port1 == net.seeded_port("busy-port-test", 1)
     assert port2 != port1
     first.set("k", "v")
     assert first.get("k") == b"v"
@@ -170,8 +164,8 @@ def test_host_store_skips_a_busy_port() -> None:
 def test_resolve_address_modes() -> None:
     import socket
 
-    assert comm.resolve_address("127.0.0.1") == "127.0.0.1"
-    assert comm.resolve_address("hostname") == socket.gethostname()
+    assert net.resolve_address("127.0.0.1") == "127.0.0.1"
+    assert net.resolve_address("hostname") == socket.gethostname()
 
 
 # ---- converters ---------------------------------------------------------------------------------------------

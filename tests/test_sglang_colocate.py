@@ -144,7 +144,7 @@ def test_colocated_step_follows_miles_order_with_recording_standins():
     assert set(log[1:-1]) == {"sglang.update_weights_from_tensor"}
     log.clear()
     sp = SamplingParams(max_new_tokens=4, n=2)
-    samples, metrics = colo.step([[3, 4, 5], [6, 7]], sp, step=0, version=1, score=_score)
+    samples, metrics = colo.step([[3, 4, 5], [6, 7]], sp, step=0, score=_score)
     assert len(samples) == 4 and {s.weight_version for s in samples} == {0}
     # First step: the trainer was paused by the initial sync, so it is resumed before its region is entered.
     assert log[0] == "sglang.generate" and log[1] == MILES_ORDER[1]
@@ -163,7 +163,7 @@ def test_colocated_step_follows_miles_order_with_recording_standins():
         assert torch.equal(sent[name], t), name
     # A second step generates with the new weights' version.
     log.clear()
-    samples, _ = colo.step([[3, 4, 5]], sp, step=1, version=2, score=_score)
+    samples, _ = colo.step([[3, 4, 5]], sp, step=1, score=_score)
     assert {s.weight_version for s in samples} == {1}
 
 
@@ -211,7 +211,7 @@ def test_reloadable_groups_release_and_rebuild_on_gloo():
         t = torch.ones(2); dist.all_reduce(t, group=g.groups["dp"]); assert t.tolist() == [1.0, 1.0]
         dist.destroy_process_group(); print("ok")
     """)
-    from milehpc.rollout.sglang_sync import free_port
+    from milehpc.comm.net import free_port
 
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
@@ -312,7 +312,7 @@ def test_multi_rank_engine_layout_uses_sglang_nodes():
                      site="local", partition_name="local")
     sent: dict[str, object] = {}
 
-    def bcast(obj, root, ranks, *, what):  # the timed MPI broadcast of runtime.comm.Comms, in one process
+    def bcast(obj, root, ranks, *, what):  # the timed MPI broadcast of comm.world.Comms, in one process
         assert root == ranks[0] and "rendezvous" in what
         if obj is not None:
             sent["addr"] = obj

@@ -73,7 +73,7 @@ def test_standin_sglang_separate_ranks_sync_restart_and_router(tmp_path) -> None
     assert all(0.0 <= r["rollout/reward_mean"] <= 1.0 for r in records)
     # Versions: weights of step 2 (interval 2) reach batches 2 and 3; batches 0-1 use the initial ones.
     assert [r["async/staleness_max"] for r in records] == [0.0, 1.0, 0.0, 1.0]
-    from milehpc.data.store import read_rollouts
+    from milehpc.samples.dumps import read_rollouts
 
     assert {s.weight_version for s in read_rollouts(tmp_path / "run", 3)[0]} == {2}
     assert sorted(calls) == [1, 2]  # the trainer rank starts no engine
@@ -120,7 +120,7 @@ def test_standin_sglang_colocated_miles_order_per_step(tmp_path) -> None:
     assert records[0]["dist/mpi_world_size"] == 2 and records[0]["dist/trainer_world_size"] == 2
     assert [r["rollout/samples"] for r in records] == [8.0, 8.0, 8.0]
     assert all(r["colocate/update_gb"] > 0 and r["time/colocate_update_weights"] > 0 for r in records)
-    from milehpc.data.store import read_rollouts
+    from milehpc.samples.dumps import read_rollouts
 
     assert [{s.weight_version for s in read_rollouts(tmp_path / "run", k)[0]} for k in range(3)] == [{0}, {1}, {2}]
 

@@ -27,7 +27,7 @@ from milehpc.config.precision import resolve_precision
 from milehpc.errors import ConfigError, RuntimeFailure
 from milehpc.rollout import sglang_mapping as sm
 from milehpc.rollout.engine import SamplingParams
-from milehpc.rollout.sample import Sample, Status
+from milehpc.samples import Sample, Status
 
 
 # ---- signature facts (stand-ins: sglang cannot be imported here) -------------------------------------------------

@@ -87,7 +87,9 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(("toml", "package"), [
     ('name = "s"\n[rollout]\nengine = "sglang"\n', "sglang"),
     ('name = "s"\n[rollout]\nengine = "sglang"\n[resources]\ncolocate = true\n', "sglang"),
-    ('name = "s"\n[trainer]\nprecision = "fp8"\n', "transformer-engine"),
+    # FP8 is the megatron trainer's, with bfloat16 weights (the job rules refuse fp8 with the torch trainer).
+    ('name = "s"\n[model]\ndtype = "bfloat16"\n[trainer]\nbackend = "megatron"\nprecision = "fp8"\n',
+     "transformer-engine"),
 ])
 def test_cli_run_selecting_the_gpu_stack_is_one_line_exit_2(tmp_path, toml, package):
     section = _cli("--help", cwd=tmp_path).stdout.split("Commands:")[-1]

@@ -2,7 +2,7 @@
 
 The receiver is a *stand-in* for what each SGLang TP scheduler does (sglang cannot be installed here; see
 tests/sglang_standin_scheduler.py for the source facts). The sender is milehpc's real code: ``host_store`` from the runtime,
-:func:`milehpc.rollout.sglang_sync.join_update_group`, and the metadata from :mod:`sglang_mapping`.
+:func:`milehpc.weights.sglang.join_update_group`, and the metadata from :mod:`sglang_mapping`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ SCRIPT = textwrap.dedent(r"""
              ("lm_head.weight", torch.randn(50, 8, generator=g, dtype=torch.float64))]
     import time
     if role == "trainer":
-        from milehpc.runtime.comm import host_store
-        from milehpc.rollout.sglang_sync import join_update_group
+        from milehpc.comm.net import host_store
+        from milehpc.weights.sglang import join_update_group
         store, got_port = host_store("127.0.0.1", f"test-{port}", world, 60.0)
         with open(out + ".port", "w") as f:
             f.write(str(got_port))
@@ -66,16 +66,18 @@ SCRIPT = textwrap.dedent(r"""
             done += 1
             got.update(sglang_side_receive(pg, meta["names"], meta["dtypes"], meta["shapes"]))
         ok = all(torch.equal(got[n], t) and got[n].dtype == t.dtype for n, t in named)
+        # Leave the group before saying so: the trainer then takes its store down, which a later teardown here
+        # would still need (gloo aborts the process when it cannot reach it).
+        dist.destroy_process_group(pg)
         with open(out, "w") as f:
             json.dump({"ok": ok, "names": list(got), "buckets": done}, f)
-        dist.destroy_process_group(pg)
         print("received")
 """)
 
 
 @pytest.mark.slow
 def test_trainer_joins_sglangs_update_group_and_broadcasts_bit_exact_standin(tmp_path):
-    from milehpc.rollout.sglang_sync import free_port
+    from milehpc.comm.net import free_port
 
     out = str(tmp_path / "result.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)}

@@ -1,6 +1,6 @@
 """RL algorithms: advantage estimators, policy losses, KL, loss aggregation, off-policy correction.
 
-Everything here is pure PyTorch on padded ``[B, R]`` tensors (:class:`milehpc.rollout.batch.Batch`); the
+Everything here is pure PyTorch on padded ``[B, R]`` tensors (:class:`milehpc.samples.batch.Batch`); the
 estimators and losses are plugins (``milehpc_advantage_estimators`` / ``milehpc_policy_losses``) and
 :class:`milehpc.algorithms.api.Algorithm` puts the ones a job spec names together.
 

@@ -23,7 +23,7 @@ from milehpc.algorithms.aggregation import masked_whiten
 if TYPE_CHECKING:
     import torch
 
-    from milehpc.rollout.batch import Batch
+    from milehpc.samples.batch import Batch
 
 
 def token_level_rewards(batch: Batch) -> torch.Tensor:

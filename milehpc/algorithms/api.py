@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from milehpc.config.job import AlgorithmSpec, JobSpec
-    from milehpc.rollout.batch import Batch
+    from milehpc.samples.batch import Batch
 
 # Estimator params that default to the [algorithm] table's own fields when the plugin declares them.
 _SHARED_PARAMS = ("gamma", "lam")
@@ -96,8 +96,8 @@ class Algorithm:
                      prefix="algorithm.advantage_params")
         return cls(
             spec=spec, advantage_fn=adv_fn, advantage_params=adv_values, loss_fn=loss_fn, loss_params=loss_values,
-            needs_critic=bool(getattr(adv_entry, "needs_critic", False)),
-            needs_teacher=bool(getattr(adv_entry, "needs_teacher", False)),
+            needs_critic=adv_entry.needs_critic,
+            needs_teacher=adv_entry.needs_teacher,
             horizon=float(spec.loss_agg_horizon or horizon) if (spec.loss_agg_horizon or horizon) else None,
             names={"advantage": spec.advantage, "loss": spec.loss},
         )

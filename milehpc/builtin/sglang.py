@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from milehpc.hookspecs import hookimpl
 from milehpc.plugin_types import RolloutEngine
 
-# The params ``[rollout.options]`` accepts for this engine (validated in full by
+# The params ``[rollout.options]`` accepts for this engine (validated in full, on the login node too, by
 # milehpc.rollout.sglang_mapping.parse_options; None = a table or value of its own shape).
 SGLANG_OPTION_DEFAULTS = {
     "speculative": None, "server_args": {}, "mem_fraction_static": None, "return_routed_experts": None,
@@ -20,4 +20,5 @@ def milehpc_rollout_engines() -> Iterator[RolloutEngine]:
     yield RolloutEngine(name="sglang", impl="milehpc.rollout.sglang_engine:from_context",
                         description="SGLang in-process engine per engine group (TP over ranks, NCCL weight sync, "
                                     "colocated offload with torch_memory_saver, EAGLE speculative decoding)",
-                        defaults=dict(SGLANG_OPTION_DEFAULTS), requires=("sglang",))
+                        defaults=dict(SGLANG_OPTION_DEFAULTS), requires=("sglang",), direct_weight_sync=True,
+                        check_options="milehpc.rollout.sglang_mapping:parse_options")

@@ -42,6 +42,11 @@ class ModelSpec:
                 file=file, field=f"{prefix}.num_heads",
             )
 
+# ``rollout.options`` the loop itself reads, whatever the engine (partial-rollout chunk in tokens, 0 = half of
+# max_new_tokens; generation rounds per step to fill the batch with the dynamic filter). Engines that let a job set
+# them declare them among their plugin defaults (milehpc.builtin.engines).
+ROLLOUT_LOOP_OPTIONS = {"partial_chunk": 0, "max_filter_rounds": 4}
+
 
 @dataclass
 class RolloutSpec:
@@ -203,7 +208,7 @@ class JobSpec:
     def validate(self, *, file: str | None, prefix: str) -> None:
         import re
 
-        from milehpc.runtime.hygiene import is_secret_name
+        from milehpc.hygiene import is_secret_name
 
         for key, value in self.env.items():
             if not re.fullmatch(ENV_NAME, key):

@@ -13,7 +13,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from milehpc.config.job import JobSpec
-from milehpc.config.schema import build
+from milehpc.config.schema import build, deep_merge
 from milehpc.config.site import Partition, Site, expand_partitions
 from milehpc.errors import ConfigError
 
@@ -58,16 +58,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
             node = child
         node[parts[-1]] = parse_value(value)
     return data
-
-
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:

@@ -9,10 +9,16 @@ trainer   trainer side                            SGLang engine side
 ========  ======================================  ==========================================================
 fp32      fp32 params and math                    ``dtype=model.dtype`` (float32 unless the spec says else)
 bf16      bf16 params (Megatron ``bf16=True``;    ``dtype="bfloat16"``
-          torch trainer autocast/bf16 params)
+          torch trainer: ``model.dtype``)
 fp8       bf16 params + transformer-engine FP8    ``dtype="bfloat16"``, ``quantization="fp8"`` (per-tensor
-          GEMMs with ``fp8_recipe``               online FP8), or ``"mxfp8"`` for the mxfp8 recipe
+          GEMMs with ``fp8_recipe`` (Megatron)    online FP8), or ``"mxfp8"`` for the mxfp8 recipe
 ========  ======================================  ==========================================================
+
+The torch trainer and the reference engines compute in ``model.dtype`` whatever ``trainer.precision`` says, so the
+job rules (:mod:`milehpc.config.rules`) refuse ``bf16``/``fp8`` with them unless ``model.dtype = "bfloat16"``, and
+``fp8`` with the torch trainer (no FP8 GEMMs there). ``fp32`` with ``model.dtype = "bfloat16"`` stays allowed: the
+torch trainer then trains bf16 weights that every engine serves in bf16 (both sides agree), and Megatron trains a
+bf16 checkpoint in fp32 that the engines serve in its own dtype (the fp32 row).
 
 Facts used (checked against the sources):
 

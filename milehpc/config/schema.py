@@ -154,6 +154,17 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``base`` with ``over`` laid on top: tables merge key by key, anything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 def opt(default: Any = dataclasses.MISSING, *, help: str = "", **meta: Any) -> Any:
     """A field with a help text and constraints (``min``, ``max``, ``pattern``, ``expect``)."""
     meta["help"] = help

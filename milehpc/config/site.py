@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from milehpc.config.job import ENV_NAME, NAME, TIME
-from milehpc.config.schema import opt
+from milehpc.config.schema import deep_merge, opt
 from milehpc.errors import ConfigError
 
 # Slurm/launcher options are validated to a conservative grammar so that they can be rendered unquoted-safe.
@@ -113,8 +113,6 @@ def expand_partitions(raw: Any, *, file: str | None = None) -> Any:
     parts = raw.get("partitions") if isinstance(raw, dict) else None
     if not isinstance(parts, dict):
         return raw  # build() reports the wrong type
-    from milehpc.config.load import deep_merge
-
     done: dict[str, Any] = {}
 
     def resolve(name: str, chain: list[str]) -> Any:

@@ -120,4 +120,4 @@ def task_reward_name(data_spec: Any) -> str:
         return ""
     from milehpc import plugins
 
-    return getattr(plugins.lookup("task", data_spec.source.split(":", 1)[1]), "reward", "")
+    return plugins.lookup("task", data_spec.source.split(":", 1)[1]).reward

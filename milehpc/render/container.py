@@ -10,7 +10,7 @@ from milehpc.plan import Plan
 # the device masks Slurm set, and milehpc's own. Static site/job variables are added by name.
 FORWARD_PREFIXES = ("SLURM_", "PMIX_", "PMI_", "OMPI_", "MILEHPC_", "MASTER_")
 # Secrets (tokens, keys) are never written into job files: they come from the submitting environment and are
-# passed on by name only (milehpc.runtime.hygiene masks them in what milehpc prints).
+# passed on by name only (milehpc.hygiene masks them in what milehpc prints).
 FORWARD_PATTERNS = ("*TOKEN*", "*KEY*", "*SECRET*", "*PASSWORD*")
 FORWARD_NAMES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "PYTHONUNBUFFERED")
 

@@ -43,7 +43,7 @@ class ScriptInputs:
 
 
 @lru_cache(maxsize=1)
-def _environment():
+def template_environment():
     import jinja2
 
     from milehpc.resources import data_dir
@@ -147,7 +147,7 @@ def render_script(inp: ScriptInputs) -> str:
     template = "local.sh.j2" if part.scheduler == "local" else "job.sbatch.j2"
     from milehpc.render.container import FORWARD_NAMES, FORWARD_PATTERNS, FORWARD_PREFIXES
 
-    return _environment().get_template(template).render(
+    return template_environment().get_template(template).render(
         job=job, plan=plan, part=part, run_dir=inp.run_dir, python=inp.python, job_file=inp.job_file,
         sbatch_options=_sbatch_options(inp) if part.scheduler == "slurm" else [],
         env=env, container_env={**container_env, **job.container.env},

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from milehpc.errors import ConfigError, PluginError
-from milehpc.rollout.sample import Sample, Status
+from milehpc.samples import Sample, Status
 
 if TYPE_CHECKING:
     from milehpc.config.job import RewardSpec

@@ -20,7 +20,7 @@ from milehpc.rewards.extract import (
     normalize_text,
     parse_number,
 )
-from milehpc.rollout.sample import Sample
+from milehpc.samples import Sample
 
 
 def _labels(label: Any) -> list[str]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from milehpc.rollout.sample import Sample
+    from milehpc.samples import Sample
 
 
 @dataclass
@@ -25,10 +25,15 @@ class SamplingParams:
 
 
 class Engine(Protocol):
-    """A rollout engine living on the rollout rank(s) of one engine group.
+    """A rollout engine living on the rollout rank(s) of one engine group: everything the loop, the weight sync
+    and the colocated driver call. Implemented by the reference engine, its supervised out-of-process form and
+    SGLang.
 
     ``generate`` is called only between weight updates: the loop never updates weights mid-generation.
     """
+
+    tokens_generated: int
+    """New tokens sampled by this engine so far (the loop's generation throughput)."""
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  samples: list[Sample] | None = None) -> list[Sample]:
@@ -61,3 +66,36 @@ class Engine(Protocol):
 
     def info(self) -> dict[str, Any]:
         """Facts for metrics and doctor (name, device, tp size...)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep to continue sampling exactly (e.g. the sampler's RNG); may be empty."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`."""
+
+
+class DirectSyncEngine(Engine, Protocol):
+    """An engine whose own processes receive the weight bytes (SGLang's update groups, :mod:`milehpc.weights.sglang`)
+    when it runs on separate rollout ranks; its plugin says ``direct_weight_sync=True``."""
+
+    is_leader: bool
+    """This rank drives the engine (the first rank of a multi-rank engine)."""
+    update_groups: dict[str, dict[str, Any]]
+    """The update groups the engine has joined, by name."""
+
+    @property
+    def needs_weight_sync(self) -> bool:
+        """True after a restart, until a full weight sync has filled the engine again."""
+
+    def begin_update(self) -> None:
+        """A weight sync starts."""
+
+    def join_update_group(self, *, master_address: str, master_port: int, world_size: int, stage: int,
+                          backend: str = "nccl") -> None:
+        """Have the engine's processes join pipeline stage ``stage``'s update group (rebuilt after a restart)."""
+
+    def receive_bucket(self, meta: dict[str, list], *, stage: int) -> None:
+        """Receive one bucket the trainer broadcasts (``meta``: names, dtypes, shapes)."""
+
+    def finish_update(self, version: int) -> None:
+        """After the last bucket of every stage: take ``version``."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from milehpc.data.tasks import match_score
 from milehpc.rollout.engine import SamplingParams
-from milehpc.rollout.sample import Sample
+from milehpc.samples import Sample
 
 
 def retry_generator(engine: Any, prompts: list[Any], sampling: SamplingParams, *, max_turns: int = 2,

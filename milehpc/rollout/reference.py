@@ -12,10 +12,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from milehpc.rollout.engine import SamplingParams
-from milehpc.rollout.sample import Sample, Status
+from milehpc.samples import Sample, Status
 
 if TYPE_CHECKING:
     import torch
+
+    from milehpc.comm.context import RunContext
+    from milehpc.config.job import JobSpec
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -200,20 +203,20 @@ def sampling_from_spec(rollout: Any, tokenizer: Any) -> SamplingParams:
                           max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop), n=rollout.n_samples)
 
 
-ENGINE_OPTIONS = {"partial_chunk": 0, "max_filter_rounds": 4}
-
-
-def from_context(ctx: Any) -> ReferenceEngine:
-    """Engine factory (``impl(ctx)``): the job's model (same seeded init as the trainer) on this rank's device."""
+def build_engine(job: JobSpec, *, device: Any = "cpu", rank: int = 0) -> ReferenceEngine:
+    """The job's model (same seeded init as the trainer) on ``device``, sampling from a stream seeded per rank."""
+    from milehpc import plugins
     from milehpc.config.schema import check_params
     from milehpc.data.tokenizer import build_tokenizer
-    from milehpc.train.model import build_model
+    from milehpc.models import build_model
 
-    job = ctx.job
-    check_params(ENGINE_OPTIONS, job.rollout.options, file=None, prefix="rollout.options")
+    check_params(plugins.lookup("engine", job.rollout.engine).defaults, job.rollout.options, file=None,
+                 prefix="rollout.options")
     tok = build_tokenizer(job.model.tokenizer)
     model = build_model(job.model, tok.vocab_size, seed=job.run.seed, pad_id=tok.pad_id, eos_id=tok.eos_id)
-    comms = getattr(ctx, "comms", None)
-    device = getattr(comms, "device", None) or "cpu"
-    rank = getattr(comms, "rank", 0)
     return ReferenceEngine(model, tok, device=device, seed=job.run.seed * 100_003 + rank)
+
+
+def from_context(ctx: RunContext) -> ReferenceEngine:
+    """Engine factory (``impl(ctx)``): :func:`build_engine` on this rank's device."""
+    return build_engine(ctx.job, device=ctx.comms.device or "cpu", rank=ctx.comms.rank)

@@ -21,10 +21,10 @@ Weight sync (the trainer is the source):
 
 * **separate ranks**: trainer stage leader + every SGLang TP scheduler form one NCCL group per pipeline stage,
   created SGLang's way (``Engine.init_weights_update_group``: TCP rendezvous at the stage leader, ``PrefixStore``
-  named after the group; the trainer joins as rank 0 with :func:`milehpc.rollout.sglang_sync.join_update_group`).
+  named after the group; the trainer joins as rank 0 with :func:`milehpc.weights.sglang.join_update_group`).
   Per bucket, the metadata (HF names, dtype names, shapes) goes to the engine leaders over MPI first; the leaders
   call ``update_weights_from_distributed(..., flush_cache=False)`` while the trainer broadcasts each tensor from
-  rank 0; after the last bucket the radix cache is flushed once. See :mod:`milehpc.rollout.sglang_sync`.
+  rank 0; after the last bucket the radix cache is flushed once. See :mod:`milehpc.weights.sglang`.
 * **colocated**: ``update_weights_from_tensor`` per bucket (CUDA IPC handles, no copy through NCCL), driven by
   :mod:`milehpc.runtime.colocate` in Miles' order.
 
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     import torch
 
     from milehpc.rollout.engine import SamplingParams
-    from milehpc.rollout.sample import Sample
+    from milehpc.samples import Sample
 
 ENGINE_PORT_BASE = 30000  # + engine index * 16; never served (the Engine API is in-process) but must be free
 
@@ -85,12 +85,12 @@ def model_folder(ctx: Any, vocab_size: int, pad_id: int, eos_id: int) -> tuple[s
         if not Path(job.model.path).is_dir():
             raise ConfigError(f"expected a local HF checkpoint folder, got {job.model.path!r}", field="model.path")
         return job.model.path, False
-    from milehpc.train.model import hf_config
+    from milehpc.models import hf_config
 
     folder = Path(ctx.run_dir) / "sglang-model"
     config = hf_config(job.model, vocab_size, pad_id=pad_id, eos_id=eos_id)
     config.torch_dtype = job.model.dtype
-    if getattr(ctx, "comms", None) is None or ctx.comms.rank == min(ctx.plan.engine_leaders() or [0]):
+    if ctx.comms.rank == min(ctx.plan.engine_leaders() or [0]):
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f"config.json.{os.getpid()}"
         tmp.write_text(config.to_json_string())
@@ -104,13 +104,9 @@ def model_folder(ctx: Any, vocab_size: int, pad_id: int, eos_id: int) -> tuple[s
 
 
 class SGLangEngine:
-    """One rank's share of an SGLang engine. Only the leader (``engine_rank == 0``) generates and updates."""
-
-    @property
-    def receives_weights_directly(self) -> bool:
-        """The loop's cue: weight bytes go trainer → SGLang schedulers directly (NCCL), not through this rank, so
-        use :func:`milehpc.rollout.sglang_sync.sync_weights`. Colocated engines take tensors (``update_weights``)."""
-        return not self.colocated
+    """One rank's share of an SGLang engine (:class:`milehpc.rollout.engine.DirectSyncEngine`: on separate rollout
+    ranks the weight bytes go trainer → SGLang schedulers directly, see :mod:`milehpc.weights.sglang`; colocated
+    engines take tensors through ``update_weights``). Only the leader (``engine_rank == 0``) generates and updates."""
 
     def __init__(self, job: Any, server_args: dict[str, Any], opts: sm.SGLangOptions, *, engine: int = 0,
                  engine_rank: int = 0, eos_id: int | None = None, moe_shape: tuple[int, int] | None = None,
@@ -334,6 +330,13 @@ class SGLangEngine:
                 self._call("resume_memory_occupation", self._engine.resume_memory_occupation,
                            tags=list(tags) if tags is not None else None)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: SGLang's sampling state is not readable (seeded requests are, see ``sglang_mapping``)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """See :meth:`state_dict`."""
+
     def info(self) -> dict[str, Any]:
         return {"name": "sglang", "engine": self.engine_index, "engine_rank": self.engine_rank,
                 "tp_size": self.server_args.get("tp_size", 1), "version": self.version, "restarts": self.restarts,
@@ -360,8 +363,7 @@ def engine_layout(ctx: Any) -> sm.EngineLayout:
     port = ENGINE_PORT_BASE + (engine % 64) * 16
     addr = None
     if plan.gpus_per_engine > 1:
-        from milehpc.rollout.sglang_sync import free_port
-        from milehpc.runtime.comm import resolve_address
+        from milehpc.comm.net import free_port, resolve_address
 
         leader = plan.engine_leaders()[engine]
         members = list(range(leader, leader + plan.gpus_per_engine))
@@ -385,10 +387,8 @@ def from_context(ctx: Any, *, engine_factory: Any = None) -> SGLangEngine:
     tokenizer = build_tokenizer(job.model.tokenizer)
     path, random_init = model_folder(ctx, tokenizer.vocab_size, int(tokenizer.pad_id), int(tokenizer.eos_id))
     layout = engine_layout(ctx)
+    # Stop strings come with a tokenizer folder (the job rules refuse the toy tokenizer on the login node).
     tok_path = job.model.tokenizer if job.rollout.stop and Path(job.model.tokenizer).is_dir() else None
-    if job.rollout.stop and tok_path is None and job.model.tokenizer == "toy":
-        raise ConfigError("stop strings need a tokenizer SGLang can load; use stop token ids or a tokenizer folder",
-                          field="rollout.stop")
     args = sm.server_args(job, opts, precision, layout, model_path=path, tokenizer_path=tok_path)
     if random_init:
         args["load_format"] = "dummy"

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from milehpc.config.schema import build, opt
 from milehpc.errors import ConfigError, RuntimeFailure
-from milehpc.rollout.sample import Sample, Status
+from milehpc.samples import Sample, Status
 
 if TYPE_CHECKING:
     import torch

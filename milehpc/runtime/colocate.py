@@ -32,7 +32,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from milehpc.errors import missing_dependency
 from milehpc.rollout.sglang_mapping import ONLOAD_AFTER_UPDATE, ONLOAD_BEFORE_UPDATE
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
 TRAIN_TAG = "train"
+T = TypeVar("T")
 
 
 class MemorySaver(Protocol):
@@ -127,8 +128,7 @@ class StepReport:
 def for_job(job: Any, engine: Any, *, device: Any = None) -> ColocatedStep | None:
     """The colocated driver for a job whose engine offloads (SGLang), else None (the CPU reference engine shares
     nothing worth offloading). Build the trainer inside ``step.train_region()``; per step the loop then calls
-    ``offload_rollout()`` after generating, ``onload_train()`` + training inside ``train_region()`` + ``snapshot()``,
-    then ``offload_train()``, ``onload_weights()``, ``update_weights(version)``, ``onload_kv()``."""
+    :meth:`ColocatedStep.generate_phase` and :meth:`ColocatedStep.train_phase`."""
     if not (job.resources.colocate and job.rollout.engine == "sglang"):
         return None
     return ColocatedStep(engine, None, torch_memory_saver_backend(), device=device)
@@ -161,19 +161,11 @@ class ColocatedStep:
         finally:
             self.report.times[name] = self.report.times.get(name, 0.0) + self.clock() - t0
 
-    def timed(self, name: str, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` as the step piece ``name`` (recorded in the report's events, timed); the loop uses it for
-        generation and training, which it drives itself."""
-        return self._timed(name, fn)
-
     @contextlib.contextmanager
     def train_region(self) -> Iterator[None]:
         """Allocate trainer state (model, optimizer moments, grads) inside this (CPU backup on pause)."""
         with self.saver.region(TRAIN_TAG, enable_cpu_backup=True):
             yield
-
-    def generate(self, prompts: list[list[int]], sampling: Any, samples: Any = None) -> list[Any]:
-        return self._timed("generate", lambda: self.engine.generate(prompts, sampling, samples))
 
     def offload_rollout(self) -> None:
         before = self.memory_probe()
@@ -186,17 +178,6 @@ class ColocatedStep:
             if self.groups is not None:
                 self.groups.restore()
             self.train_paused = False
-
-    def train(self, samples: list[Any], step: int) -> dict[str, float]:
-        self.onload_train()
-
-        def run() -> dict[str, float]:
-            with self.train_region():  # optimizer state is created lazily at the first step: keep it pausable
-                metrics = self.trainer.train_step(samples, step)
-            self.snapshot()
-            return metrics
-
-        return self._timed("train", run)
 
     def snapshot(self) -> None:
         """Pinned CPU copy of the trainer's (engine-named) weights, reused across steps."""
@@ -254,21 +235,47 @@ class ColocatedStep:
     def onload_kv(self) -> None:
         self._timed("onload_kv", lambda: self.engine.resume_memory(list(ONLOAD_AFTER_UPDATE)))
 
-    # ---- the whole step ----------------------------------------------------------------------------
-    def step(self, prompts: list[list[int]], sampling: Any, step: int, *, version: int,
-             score: Callable[[list[Any]], None] | None = None) -> tuple[list[Any], dict[str, float]]:
-        """generate → offload rollout → train → offload train → onload weights → update weights → onload KV cache."""
+    # ---- the two halves of a step, and the whole step ----------------------------------------------------
+    def generate_phase(self, produce: Callable[[], T]) -> T:
+        """First half: a dead engine is restarted in place and re-synced to the trainer's current weights (the
+        last snapshot), then ``produce()`` generates, then the rollout side is offloaded."""
         self.report = StepReport()
-        samples = self.generate(prompts, sampling)
+        if not self.engine.health():
+            self.engine.restart()  # comes back resident, with the checkpoint's (or random) weights
+            self.update_weights(self.trainer.version)
+        out = self._timed("generate", produce)
         self.offload_rollout()
-        if score is not None:
-            score(samples)
-        metrics = dict(self.train(samples, step))
+        return out
+
+    def train_phase(self, train: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Second half: onload train → ``train()`` inside the pausable region → snapshot → offload train → onload
+        weights → update weights (to the trainer's new version) → onload KV cache. Returns ``train()``'s metrics
+        with the update time (``time/sync``) and the step's memory figures."""
+        self.onload_train()
+
+        def run() -> dict[str, float]:
+            with self.train_region():  # optimizer state is created lazily at the first step: keep it pausable
+                metrics = train()
+            self.snapshot()
+            return metrics
+
+        metrics = dict(self._timed("train", run))
         self.offload_train()
         self.onload_weights()
-        self.update_weights(version)
+        self.update_weights(self.trainer.version)
         self.onload_kv()
+        metrics["time/sync"] = self.report.times.get("update_weights", 0.0)
         metrics.update(self.report.metrics())
+        return metrics
+
+    def step(self, prompts: list[list[int]], sampling: Any, step: int, *,
+             score: Callable[[list[Any]], None] | None = None) -> tuple[list[Any], dict[str, float]]:
+        """generate → offload rollout → (score) → train → offload train → onload weights → update weights → onload
+        KV cache: :meth:`generate_phase` then :meth:`train_phase` (the RL loop calls the halves itself)."""
+        samples = self.generate_phase(lambda: self.engine.generate(prompts, sampling))
+        if score is not None:
+            score(samples)
+        metrics = self.train_phase(lambda: self.trainer.train_step(samples, step))
         return samples, metrics
 
     def initial_sync(self, version: int = 0) -> None:

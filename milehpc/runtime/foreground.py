@@ -50,7 +50,7 @@ def summary(run_dir: Path) -> str:
 
 def format_rollouts(run_dir: str, step: int, *, limit: int = 20) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows for ``milehpc rollouts``: one per sample (prompt, response, reward, status, version, tokens)."""
-    from milehpc.data.store import read_rollouts
+    from milehpc.samples.dumps import read_rollouts
 
     samples, attrs = read_rollouts(run_dir, step)
     rows = [{"index": s.index, "group": s.group, "prompt": s.prompt_text, "response": s.response_text,

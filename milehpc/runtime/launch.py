@@ -1,7 +1,7 @@
 """The entry point of every rank inside the job: ``milehpc launch RUN_DIR`` under srun or mpirun.
 
 Reads ``RUN_DIR/plan.json`` and ``RUN_DIR/job.json`` (written by ``milehpc submit``), checks that the MPI world is
-the one the plan was made for, brings up the communicators (``milehpc.runtime.comm.bootstrap``) and calls the
+the one the plan was made for, brings up the communicators (``milehpc.comm.world.bootstrap``) and calls the
 entry (``milehpc.runtime.loop:run`` unless one is given as ``module:function``, by ``--entry`` or by the job's
 ``[env] MILEHPC_ENTRY``, which reaches the ranks through the rendered job script) with a ``RunContext``.
 
@@ -75,9 +75,17 @@ def _end(code: int, message: str | None, rank: int) -> None:
     os._exit(code)
 
 
+def _end_before_mpi(err: MilehpcError, rank: int) -> None:
+    """Every rank met the same error before the ranks could talk: rank 0 says it in one line. The launcher tears the
+    job down at the first non-zero exit, so the other ranks leave a moment later, not before rank 0 has spoken."""
+    if rank != 0:
+        time.sleep(1.0)
+    _end(err.exit_code, str(err) if rank == 0 else None, rank)
+
+
 def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
     """Run this rank of the job in ``run_dir``; returns only on success (see the module docstring)."""
-    from milehpc.runtime.hygiene import install_log_masking
+    from milehpc.hygiene import install_log_masking
 
     install_log_masking()
     try:
@@ -87,7 +95,7 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
         check_requirements(job)  # here, not at submit: the login node lacks the container's GPU packages
     except MilehpcError as err:
         rank = _mpi_rank_from_env()
-        _end(err.exit_code, str(err) if rank == 0 else None, rank)
+        _end_before_mpi(err, rank)
         return
     from mpi4py import MPI
 
@@ -99,14 +107,12 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
         err = ConfigError(f"expected an MPI world of {plan.world_size} ranks, got {size}: start the job with "
                           f"`mpirun -np {plan.world_size}` or `srun -n {plan.world_size}`{hint}",
                           file=str(Path(run_dir) / "plan.json"), field="world_size")
-        if rank != 0:
-            time.sleep(1.0)  # let rank 0 print before the launcher tears the job down
-        _end(err.exit_code, str(err) if rank == 0 else None, rank)
+        _end_before_mpi(err, rank)
         return
 
+    from milehpc.comm.context import RunContext
+    from milehpc.comm.world import bootstrap
     from milehpc.plugin_types import load_ref
-    from milehpc.runtime.comm import bootstrap
-    from milehpc.runtime.context import RunContext
     from milehpc.runtime.signals import RequeueExit
 
     comms = None

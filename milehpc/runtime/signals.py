@@ -15,7 +15,7 @@ Paths (``RUN_DIR`` = the run directory, shared by all nodes; ``CTL = RUN_DIR/.mi
    per rank: no metadata storm on Lustre); its answer is agreed across *all* ranks by one MPI allreduce (the
    same one that agrees on interval checkpoints, :meth:`Checkpointer.at_step_end`), so every rank checkpoints
    after the same step.
-3. The ranks then write a checkpoint (collective, atomic: :mod:`milehpc.runtime.checkpoint`). After it is
+3. The ranks then write a checkpoint (collective, atomic: :mod:`milehpc.checkpoint`). After it is
    committed rank 0 writes ``CTL/checkpointed`` (:data:`CHECKPOINTED_FILE`: JSON ``{"step", "checkpoint", "time",
    "restart_count"}``) and deletes the request file.
 4. Every rank exits with **:data:`EXIT_REQUEUE` = 75** ("checkpointed, requeue me"; EX_TEMPFAIL). Exit 0 means

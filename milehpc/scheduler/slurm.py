@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from milehpc.errors import SchedulerError
+from milehpc.errors import ConfigError, SchedulerError
 
 _JOB_ID = re.compile(r"^(\d+)(;\S+)?$")
 # A job id as users type it: 123, an array element 123_4, or a hetjob component 123+1.
@@ -51,6 +51,20 @@ def check_job_id(job_id: str) -> str:
     if not JOB_ID.fullmatch(job_id):
         raise SchedulerError(f"expected a Slurm job id like 1234 or 1234_5, got {job_id!r}", field="JOBID")
     return job_id
+
+
+def dependency_args(after: str | None, scheduler: str) -> list[str]:
+    """``--after JOBID[,JOBID...]`` as sbatch's ``--dependency=afterany:...`` (start once they ended, however)."""
+    if not after:
+        return []
+    if scheduler != "slurm":
+        raise ConfigError("--after needs a Slurm site (this site runs without a scheduler)", field="--after")
+    ids = [j.strip() for j in after.split(",")]
+    bad = [j for j in ids if not JOB_ID.fullmatch(j)]
+    if bad:
+        raise ConfigError(f"expected Slurm job ids like 1234 or 1234_5, comma-separated, got {bad[0]!r}",
+                          field="--after")
+    return ["--dependency=afterany:" + ":".join(ids)]
 
 
 def sbatch(script: Path, *, extra: list[str] | None = None, test_only: bool = False,

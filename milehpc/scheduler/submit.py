@@ -9,6 +9,7 @@ from typing import Any
 from milehpc.errors import ConfigError
 from milehpc.render.rundir import check_paths, prepare, write_run_dir
 from milehpc.scheduler.records import add_record
+from milehpc.scheduler.slurm import dependency_args
 
 
 def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir: str | None = None,
@@ -38,7 +39,7 @@ def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir
     if extra:
         result["sbatch_args"] = extra
     if resume:
-        from milehpc.runtime.checkpoint import resume_run_dir
+        from milehpc.checkpoint import resume_run_dir
 
         # Refuses a checkpoint from an incompatible layout in one line (unless the trainer reshards it), before
         # anything is rewritten; a dry run checks it too.
@@ -62,19 +63,3 @@ def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir
     add_record(job_id, prep.job.name, prep.site.name, str(rdir), **({"after": after} if after else {}))
     result["job_id"] = job_id
     return result
-
-
-def dependency_args(after: str | None, scheduler: str) -> list[str]:
-    """``--after JOBID[,JOBID...]`` as sbatch's ``--dependency=afterany:...`` (start once they ended, however)."""
-    if not after:
-        return []
-    if scheduler != "slurm":
-        raise ConfigError("--after needs a Slurm site (this site runs without a scheduler)", field="--after")
-    from milehpc.scheduler.slurm import JOB_ID
-
-    ids = [j.strip() for j in after.split(",")]
-    bad = [j for j in ids if not JOB_ID.fullmatch(j)]
-    if bad:
-        raise ConfigError(f"expected Slurm job ids like 1234 or 1234_5, comma-separated, got {bad[0]!r}",
-                          field="--after")
-    return ["--dependency=afterany:" + ":".join(ids)]

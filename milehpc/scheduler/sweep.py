@@ -17,6 +17,7 @@ from milehpc.config.load import load_job
 from milehpc.errors import ConfigError
 from milehpc.render.rundir import Prepared, check_paths, default_run_dir, prepare, write_run_dir
 from milehpc.scheduler.records import add_record
+from milehpc.scheduler.slurm import dependency_args
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z_][A-Za-z0-9_-]*)*")
 
@@ -55,8 +56,7 @@ def _shared_options(key: str, values: list[str], preps: list[Prepared]) -> list[
 
 def submit_sweep(job_file: str, site: str, overrides: tuple[str, ...], sweep: str, *, run_dir: str | None,
                  dry_run: bool = False, after: str | None = None) -> dict[str, Any]:
-    from milehpc.render.script import _environment
-    from milehpc.scheduler.submit import dependency_args
+    from milehpc.render.script import template_environment
 
     key, values = parse_sweep(sweep)
     base = Path(run_dir).expanduser().absolute() if run_dir else default_run_dir(load_job(job_file, overrides))
@@ -67,7 +67,7 @@ def submit_sweep(job_file: str, site: str, overrides: tuple[str, ...], sweep: st
         raise ConfigError(f"--sweep runs a Slurm job array; site '{first.site.name}' has no scheduler (loop over "
                           "`milehpc submit --set` instead)", field="--sweep")
     extra = dependency_args(after, "slurm")
-    script = _environment().get_template("sweep.sbatch.j2").render(
+    script = template_environment().get_template("sweep.sbatch.j2").render(
         name=first.job.name, site=first.site.name, key=key, values=values,
         runs=[str(p.run_dir) for p in preps], base=str(base),
         sbatch_options=_shared_options(key, values, preps))

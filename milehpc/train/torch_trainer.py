@@ -16,13 +16,14 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from milehpc.rollout.sample import Sample
+from milehpc.samples import Sample
 
 if TYPE_CHECKING:
     import torch
 
+    from milehpc.comm.context import RunContext
     from milehpc.config.job import JobSpec
-    from milehpc.rollout.batch import Batch
+    from milehpc.samples.batch import Batch
 
 
 def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -79,7 +80,7 @@ class TorchTrainer:
                  options: dict[str, Any] | None = None, model: Any = None) -> None:
         import torch
 
-        from milehpc.train.model import build_model
+        from milehpc.models import build_model
 
         self.job, self.tokenizer = job, tokenizer
         self.options = {"fsdp": False, "critic_lr": 1e-4, "teacher_path": "", **(options or {})}
@@ -105,24 +106,15 @@ class TorchTrainer:
         self.scheduler = self._schedule(self.optimizer, job.trainer.lr)
         self.ref: Any = None
         self.critic = self.critic_module = self.critic_opt = None
-        if getattr(algorithm, "needs_critic", False):
+        if algorithm.needs_critic:
             self.critic_module = build_model(spec, tokenizer.vocab_size, seed=job.run.seed + 1, pad_id=self.pad_id,
                                              eos_id=tokenizer.eos_id, value_head=True).to(self.device)
             self.critic = self._wrap(self.critic_module)
             self.critic_opt = self._adamw(self.critic.parameters(), float(self.options["critic_lr"]))
-        if self.export_is_collective and (getattr(algorithm, "needs_ref", False)
-                                          or getattr(algorithm, "needs_critic", False)):
-            from milehpc.errors import ConfigError
-
-            raise ConfigError("trainer.options.fsdp supports the policy alone: no KL reference (kl_coef = 0) "
-                              "and no critic", field="trainer.options.fsdp")
+        # FSDP over several ranks without a reference or critic, a teacher_path for distillation: the job rules
+        # refused anything else on the login node (milehpc.config.rules).
         self.teacher: Any = None
-        if getattr(algorithm, "needs_teacher", False):
-            from milehpc.errors import ConfigError
-
-            if not self.options["teacher_path"]:
-                raise ConfigError("on-policy distillation needs a teacher: set trainer.options.teacher_path to a "
-                                  "local HF checkpoint folder", field="trainer.options.teacher_path")
+        if algorithm.needs_teacher:
             from dataclasses import replace
 
             self.teacher = build_model(replace(spec, path=self.options["teacher_path"]), tokenizer.vocab_size)
@@ -176,7 +168,7 @@ class TorchTrainer:
         return batch.response_logits(out.unsqueeze(-1))[..., 0]
 
     def _batch(self, samples: list[Sample]) -> Batch:
-        from milehpc.rollout.batch import to_batch
+        from milehpc.samples.batch import to_batch
 
         return to_batch(samples, self.pad_id).to(self.device)
 
@@ -194,12 +186,16 @@ class TorchTrainer:
     # ---- reference model ---------------------------------------------------
     def freeze_reference(self) -> None:
         """Snapshot the current policy as the KL reference (called when RL begins, after any SFT warm-up)."""
-        if getattr(self.algorithm, "needs_ref", False) and self.ref is None:
+        if self.algorithm.needs_ref and self.ref is None:
             self.ref = copy.deepcopy(self.module).eval()
             for p in self.ref.parameters():
                 p.requires_grad_(False)
 
     # ---- SFT warm-up ---------------------------------------------------------
+    def sft_optimizer(self, lr: float) -> Any:
+        """A fresh AdamW over the policy for the warm-up (its moments do not carry into RL)."""
+        return self._adamw(self.model.parameters(), lr)
+
     def sft_step(self, samples: list[Sample], optimizer: Any) -> dict[str, float]:
         """One supervised step (token-mean NLL over the response, global over DP) on labelled samples."""
 
@@ -253,7 +249,7 @@ class TorchTrainer:
                 batch.values = torch.cat([self.values(mb) for mb in mbs])
             # With one epoch the loss's own forward gives the old logprobs (ratio = 1 exactly, as nothing
             # changed before the optimizer step); more epochs need them fixed before the first update.
-            if getattr(self.algorithm, "needs_old_logprobs", self.job.algorithm.ppo_epochs > 1):
+            if self.algorithm.needs_old_logprobs:
                 batch.old_logprobs = torch.cat([self.forward(self.module, mb)[0] for mb in mbs])
         return self.algorithm.compute_advantages(batch, dp_sum=_dp_sum_tensor if _dist()[1] > 1 else None) or {}
 
@@ -324,6 +320,10 @@ class TorchTrainer:
         out["time/train_compute"] = time.perf_counter() - t0
         return out
 
+    def skip_step(self) -> None:
+        """No rank had samples this step: keep the version schedule."""
+        self.version += 1
+
     # ---- weights and state -------------------------------------------------
     def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Full weights in HF naming; with FSDP2 every rank must call this (it all-gathers)."""
@@ -333,11 +333,9 @@ class TorchTrainer:
             yield name, tensor.detach()
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        import torch
-
+        """Model, optimizer, scheduler, critic and reference; the process RNG is the checkpoint's own."""
         state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "version": self.version, "steps": self.steps,
-                 "rng": torch.get_rng_state()}
+                 "scheduler": self.scheduler.state_dict(), "version": self.version, "steps": self.steps}
         if self.critic is not None:
             state["critic"] = self.critic_module.state_dict()
             state["critic_optimizer"] = self.critic_opt.state_dict()
@@ -346,13 +344,10 @@ class TorchTrainer:
         return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        import torch
-
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version, self.steps = int(state["version"]), int(state["steps"])
-        torch.set_rng_state(state["rng"])
         if self.critic is not None and "critic" in state:
             self.critic_module.load_state_dict(state["critic"])
             self.critic_opt.load_state_dict(state["critic_optimizer"])
@@ -368,7 +363,7 @@ class TorchTrainer:
         """CPU: nothing to move."""
 
 
-def from_context(ctx: Any) -> TorchTrainer:
+def from_context(ctx: RunContext) -> TorchTrainer:
     """Trainer factory (``impl(ctx)``): the job's model on this rank's device, DP over the trainer group."""
     from milehpc import plugins
     from milehpc.config.schema import check_params
@@ -377,5 +372,5 @@ def from_context(ctx: Any) -> TorchTrainer:
     job = ctx.job
     spec = plugins.lookup("trainer", job.trainer.backend)
     options = check_params(spec.defaults, job.trainer.options, file=None, prefix="trainer.options")
-    device = getattr(getattr(ctx, "comms", None), "device", None) or "cpu"
+    device = ctx.comms.device or "cpu"
     return TorchTrainer(job, build_tokenizer(job.model.tokenizer), device=device, options=options)

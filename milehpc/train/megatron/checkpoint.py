@@ -14,11 +14,11 @@ Upstream work-arounds (megatron-core 0.16 without TE/Apex: CPU, and GPUs without
 
 milehpc's checkpoint directory: :meth:`MegatronTrainer.state_dict_for_checkpoint` writes ``<checkpoint dir>/
 megatron/v<version>`` here (collectively) when the trainer knows the checkpoint root, and its small per-rank state
-references that directory; the manifest is committed by :class:`milehpc.runtime.checkpoint.Checkpointer` only
+references that directory; the manifest is committed by :class:`milehpc.checkpoint.Checkpointer` only
 after every rank has written, so a half-written one is never referenced.
 
 Resuming at another layout: the "megatron" trainer plugin registers :func:`can_reshard` as its ``can_reshard``, so
-:class:`milehpc.runtime.checkpoint.Checkpointer` (ranks) and ``milehpc submit --resume RUN_DIR --set trainer.tp=N``
+:class:`milehpc.checkpoint.Checkpointer` (ranks) and ``milehpc submit --resume RUN_DIR --set trainer.tp=N``
 (login node) accept a checkpoint whose trainer TP/PP/DP differ; every new trainer rank then takes trainer rank 0's
 small state (it names the dist checkpoint) and :func:`load` reshards model and optimizer (see LoopCheckpoint for
 what else carries over). Rows of the TP vocabulary padding that the old layout did not have are zero-filled by
@@ -29,16 +29,24 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from milehpc.train.megatron.trainer import MegatronTrainer
+from typing import Any, Protocol
 
 META = {"distrib_optim_sharding_type": "fully_reshardable"}
 PARALLEL_KEYS = ("world_size", "trainer_ranks", "tp", "pp", "dp")
 
 
-def _sharded(trainer: MegatronTrainer, *, loading: bool) -> dict[str, Any]:
+class CheckpointedTrainer(Protocol):
+    """What this module uses of :class:`milehpc.train.megatron.trainer.MegatronTrainer` (which imports this module,
+    so it is described here rather than imported)."""
+
+    module: Any  # the Megatron GPT model: sharded_state_dict(), load_state_dict()
+    ddp: Any  # its DistributedDataParallel wrapper: zero_grad_buffer(), parameters()
+    optimizer: Any  # the (distributed, maybe chained) Megatron optimizer
+    version: int  # weight version
+    steps: int  # optimizer steps taken
+
+
+def _sharded(trainer: CheckpointedTrainer, *, loading: bool) -> dict[str, Any]:
     model_sd = trainer.module.sharded_state_dict()
     return {
         "model": model_sd,
@@ -46,7 +54,7 @@ def _sharded(trainer: MegatronTrainer, *, loading: bool) -> dict[str, Any]:
     }
 
 
-def save(trainer: MegatronTrainer, directory: str | Path) -> Path:
+def save(trainer: CheckpointedTrainer, directory: str | Path) -> Path:
     """Collective over the trainer ranks: write model and optimizer shards into ``directory`` (created)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -64,7 +72,7 @@ def save(trainer: MegatronTrainer, directory: str | Path) -> Path:
     return path
 
 
-def _materialise_optimizer_state(trainer: MegatronTrainer) -> None:
+def _materialise_optimizer_state(trainer: CheckpointedTrainer) -> None:
     """Create Adam's state (exp_avg, exp_avg_sq, step) with a step that changes nothing (grads 0, lr 0)."""
     groups = trainer.optimizer.param_groups
     saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in groups]
@@ -80,7 +88,7 @@ def _materialise_optimizer_state(trainer: MegatronTrainer) -> None:
         g["lr"], g["weight_decay"] = lr, wd
 
 
-def _unshare_steps(trainer: MegatronTrainer) -> None:
+def _unshare_steps(trainer: CheckpointedTrainer) -> None:
     """Give every parameter its own ``step`` tensor (the loaded state shares one)."""
     import torch
 
@@ -93,7 +101,7 @@ def _unshare_steps(trainer: MegatronTrainer) -> None:
                 st["step"] = st["step"].clone()
 
 
-def load(trainer: MegatronTrainer, directory: str | Path) -> dict[str, Any]:
+def load(trainer: CheckpointedTrainer, directory: str | Path) -> dict[str, Any]:
     """Collective: load model and optimizer from ``directory`` into ``trainer`` at its current layout."""
     from megatron.core import dist_checkpointing
 
@@ -110,7 +118,7 @@ def load(trainer: MegatronTrainer, directory: str | Path) -> dict[str, Any]:
 
 
 def can_reshard(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """For :class:`milehpc.runtime.checkpoint.Checkpointer`: a Megatron checkpoint resumes at any TP/PP/DP layout
+    """For :class:`milehpc.checkpoint.Checkpointer`: a Megatron checkpoint resumes at any TP/PP/DP layout
     of the same model (only the trainer's parallel sizes may differ)."""
     if saved.get("trainer_backend") != "megatron" or current.get("trainer_backend") != "megatron":
         return False

@@ -91,12 +91,12 @@ def arch_of(hf_config: Any) -> Arch:
 
 def hf_config_for(model: ModelSpec, vocab_size: int, *, pad_id: int = 0, eos_id: int = 2) -> Any:
     """The HF config of a job's model: the checkpoint's config.json, or the one the loop's model builder
-    (milehpc.train.model) makes from the job spec's table, so trainer and rollout engine agree on every constant."""
+    (milehpc.models) makes from the job spec's table, so trainer and rollout engine agree on every constant."""
     if model.path:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(model.path, local_files_only=True)
-    from milehpc.train.model import hf_config
+    from milehpc.models import hf_config
 
     return hf_config(model, vocab_size, pad_id=pad_id, eos_id=eos_id)
 

@@ -27,13 +27,14 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from milehpc.errors import ConfigError
-from milehpc.rollout.sample import Sample
+from milehpc.samples import Sample
 
 if TYPE_CHECKING:
     import torch
 
+    from milehpc.comm.context import RunContext
     from milehpc.config.job import JobSpec
-    from milehpc.rollout.batch import Batch
+    from milehpc.samples.batch import Batch
 
 _MASKED_LOGIT = -1e9  # padded vocabulary columns (finite: 0 * it stays 0 in the entropy)
 
@@ -127,22 +128,24 @@ class MegatronTrainer:
             from milehpc.algorithms.api import Algorithm
 
             algorithm = Algorithm.from_job(job)
+        # No critic, teacher or KL reference model here, MoE with tp = 1 and ep dividing the experts: the job rules
+        # refused anything else on the login node (milehpc.config.rules).
         self.algorithm = algorithm
-        if getattr(algorithm, "needs_critic", False) or getattr(algorithm, "needs_ref", False):
-            raise ConfigError("expected a critic-free estimator and kl_coef = 0 with trainer.backend = 'megatron' "
-                              "(no critic or KL reference model there yet; trainer.backend = 'torch' has them)",
-                              field="algorithm")
+        from_table = hf_config is None and hf_model is None and not job.model.path
         if hf_config is None:
             hf_config = hf_model.config if hf_model is not None else mm.hf_config_for(
                 job.model, vocab_size, pad_id=pad_id, eos_id=eos_id)
         self.arch = mm.arch_of(hf_config)
-        if self.arch.is_moe and tr.tp > 1:
-            # Megatron trains MoE with TP only together with sequence parallelism (transformer-engine/Apex).
-            raise ConfigError("expected trainer.tp = 1 for a mixture of experts (split experts with trainer.ep)",
-                              field="trainer.tp")
-        if self.arch.is_moe and self.arch.num_experts % tr.ep:
-            raise ConfigError(f"expected trainer.ep to divide the {self.arch.num_experts} experts, got {tr.ep}",
-                              field="trainer.ep")
+        if self.arch.is_moe and not from_table:
+            # Only a checkpoint's config.json (read here, inside the job) can make the model an MoE unseen by the
+            # login node. Megatron trains MoE with TP only together with sequence parallelism (TE/Apex).
+            if tr.tp > 1:
+                raise ConfigError(f"expected trainer.tp = 1 for a mixture of experts (the checkpoint has "
+                                  f"{self.arch.num_experts} experts; split them with trainer.ep), got {tr.tp}",
+                                  field="trainer.tp")
+            if self.arch.num_experts % tr.ep:
+                raise ConfigError(f"expected trainer.ep to divide the checkpoint's {self.arch.num_experts} experts, "
+                                  f"got {tr.ep}", field="trainer.ep")
         self.replay = bool(tr.options.get("routing_replay", False)) and self.arch.is_moe
         init_parallel(tr.tp, tr.pp, tr.ep, timeout_s=job.resources.collective_timeout_s, seed=job.run.seed,
                       moe=self.arch.is_moe)
@@ -189,7 +192,7 @@ class MegatronTrainer:
         from milehpc.train.megatron.model import padded_vocab_size
 
         if hf_model is None:
-            from milehpc.train.model import build_model
+            from milehpc.models import build_model
 
             hf_model = build_model(self.job.model, self.vocab_size, seed=self.job.run.seed, pad_id=self.pad_id,
                                    eos_id=self.eos_id)
@@ -252,7 +255,7 @@ class MegatronTrainer:
         which also accepts full-sequence routing), so they are left out of the batch tensors."""
         import dataclasses
 
-        from milehpc.rollout.batch import to_batch
+        from milehpc.samples.batch import to_batch
 
         plain = [dataclasses.replace(s, routed_experts=None) if s.routed_experts else s for s in samples]
         batch = to_batch(plain, self.pad_id).to(self.device)
@@ -482,12 +485,8 @@ class MegatronTrainer:
             diff["diff_n"] += o.get("diff_n", 0.0)
         return {"sums": sums, **diff}
 
-    # ---- SFT warm-up (the loop's interface: trainer._adamw(trainer.model.parameters(), lr), sft_step) --------
-    @property
-    def model(self) -> Any:
-        return self.ddp
-
-    def _adamw(self, params: Any, lr: float) -> Any:
+    # ---- SFT warm-up --------------------------------------------------------------------------------------
+    def sft_optimizer(self, lr: float) -> Any:
         """The optimizer of the supervised warm-up: its own Adam state (like the torch trainer's separate AdamW),
         except with the distributed optimizer, whose shards of the main params must stay the only copy."""
         if self.job.trainer.distributed_optimizer:
@@ -528,7 +527,11 @@ class MegatronTrainer:
         return {"sft/loss": self._dp_sum([total])[0], "sft/grad_norm": float(norm or 0.0)}
 
     def freeze_reference(self) -> None:
-        """No KL reference model in the Megatron trainer (rejected at construction)."""
+        """No KL reference model in the Megatron trainer (the job rules refuse one on the login node)."""
+
+    def skip_step(self) -> None:
+        """No rank had samples this step: keep the version schedule."""
+        self.version += 1
 
     # ---- weights -------------------------------------------------------------------------------------------
     def export_weights(self, *, moe_layout: str = "transformers") -> list[tuple[str, torch.Tensor]]:
@@ -585,8 +588,7 @@ class MegatronTrainer:
 
         from milehpc.train.megatron import checkpoint
 
-        state: dict[str, Any] = {"version": self.version, "steps": self.steps, "rng_tracker": _tracker_states(),
-                                 "cpu_rng": torch.get_rng_state()}
+        state: dict[str, Any] = {"version": self.version, "steps": self.steps, "rng_tracker": _tracker_states()}
         if self.dist_checkpoint_root is not None:
             from pathlib import Path
 
@@ -603,7 +605,6 @@ class MegatronTrainer:
         return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        import torch
 
         from milehpc.train.megatron import checkpoint
 
@@ -625,7 +626,6 @@ class MegatronTrainer:
             # layout at start-up (dropout is 0 here, so training does not draw from them anyway).
             return
         _set_tracker_states(state.get("rng_tracker"))
-        torch.set_rng_state(state["cpu_rng"])
 
     def offload(self) -> None:
         """Colocated runs on GPUs would release memory here (torch_memory_saver); nothing to move on CPU."""
@@ -654,7 +654,7 @@ def _set_tracker_states(states: dict[str, Any] | None) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(dict(states))
 
 
-def from_context(ctx: Any) -> MegatronTrainer:
+def from_context(ctx: RunContext) -> MegatronTrainer:
     """Trainer factory (``impl(ctx)``) for ``trainer.backend = "megatron"``."""
     import dataclasses
 
@@ -668,10 +668,9 @@ def from_context(ctx: Any) -> MegatronTrainer:
     job = dataclasses.replace(job, trainer=dataclasses.replace(job.trainer, options=options))
     tok = build_tokenizer(job.model.tokenizer)
     trainer = MegatronTrainer(job, pad_id=tok.pad_id, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
-    trainer.tokenizer = tok
-    run_dir = getattr(ctx, "run_dir", None)
+    run_dir = ctx.run_dir
     if run_dir is not None:
-        from milehpc.runtime.checkpoint import checkpoint_root
+        from milehpc.checkpoint import checkpoint_root
 
         trainer.dist_checkpoint_root = checkpoint_root(job, run_dir) / "megatron"
     return trainer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from milehpc.rollout.sample import Sample
+from milehpc.samples import Sample
 
 
 def length_target(sample: Sample, *, target: int = 8, width: int = 8) -> float:

@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from milehpc.comm.net import host_store, resolve_address
+from milehpc.comm.watchdog import Peer, Watchdog, failed_ranks, this_peer
 from milehpc.errors import RuntimeFailure
-from milehpc.runtime.watchdog import Peer, Watchdog, failed_ranks, this_peer
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
     from milehpc.plan import Plan
 
 TAG_GATHER, TAG_BCAST = 31011, 31012
-PORT_BASE, PORT_SPAN, PORT_TRIES = 20000, 40000, 64
 RECEIVER_SLACK_S = 5.0  # receivers wait this much longer than senders, so they hear the sender's verdict first
 
 
@@ -51,35 +49,10 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
 
 
-def resolve_address(mode: str) -> str:
-    """The address this host offers to peers, after the site's ``master_addr`` (hostname | hostname -i | 127.0.0.1)."""
-    if mode == "127.0.0.1":
-        return mode
-    host = socket.gethostname()
-    if mode == "hostname -i":
-        return socket.gethostbyname(host)
-    return host
 
 
-def seeded_port(key: str, attempt: int = 0) -> int:
-    """A port derived from the job id, so co-located jobs on one node do not collide (20000 + crc32 % 40000)."""
-    return PORT_BASE + (zlib.crc32(key.encode()) + attempt) % PORT_SPAN
 
 
-def host_store(address: str, key: str, world_size: int, timeout: float) -> tuple[Any, int]:
-    """Start a TCPStore server on the first free port from the seeded one (binding is the check)."""
-    from torch.distributed import TCPStore
-
-    last: Exception | None = None
-    for attempt in range(PORT_TRIES):
-        port = seeded_port(key, attempt)
-        try:
-            store = TCPStore(address, port, world_size, True, timedelta(seconds=timeout), wait_for_workers=False)
-            return store, port
-        except RuntimeError as err:  # DistNetworkError: address in use
-            last = err
-    raise RuntimeFailure(f"no free port for the TCPStore on {address} after {PORT_TRIES} tries from "
-                         f"{seeded_port(key)}: {last}")
 
 
 def make_backend(backend: str, store: Any, rank: int, size: int, timeout: float) -> Any:
@@ -347,7 +320,7 @@ def bootstrap(plan: Plan, job: JobSpec, *, run_id: str | None = None, master_add
                   timeout=timeout, backend=plan.backend)
     try:
         _split(comms, MPI)
-        from milehpc.runtime.devices import bind_device
+        from milehpc.comm.devices import bind_device
 
         comms.device = bind_device(plan, rank)
         _init_default_group(comms, run_id, mode)

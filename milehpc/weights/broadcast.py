@@ -17,25 +17,23 @@ agree). Colocated runs skip all of this and load the trainer's tensors into the 
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from milehpc.errors import PluginError, RuntimeFailure
+from milehpc.errors import RuntimeFailure
+from milehpc.weights.converters import Converter, NamedTensors
 
 if TYPE_CHECKING:
     import torch
 
-    from milehpc.runtime.comm import Comms, WeightSyncGroup
+    from milehpc.comm.world import WeightSyncGroup
 
 MiB = 1 << 20
 DEFAULT_BUCKET_BYTES = 512 * MiB
 ALIGN = 64
 # Tensors this big are broadcast as themselves (no copy); packing only pays for small ones (latency-bound).
 DIRECT_BYTES = 1 * MiB
-NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
-Converter = Callable[[NamedTensors], NamedTensors]
 
 
 @dataclass(frozen=True)
@@ -267,165 +265,3 @@ def recv_weights(group: WeightSyncGroup, timeout: float | None = None) -> tuple[
     of the receive buffers)."""
     stream = recv_weights_stream(group, timeout)
     return stream.version, [(name, tensor.clone()) for name, tensor in stream]
-
-
-# ---- converters -----------------------------------------------------------------
-def identity(named_tensors: NamedTensors, **_: Any) -> NamedTensors:
-    """The converter for a trainer and an engine that share names and layouts."""
-    return named_tensors
-
-
-def find_converter(source: str, target: str, params: Mapping[str, Any] | None = None) -> Converter:
-    """The registered converter from ``source`` (trainer format) to ``target`` (engine format); identity if they agree."""
-    from functools import partial
-
-    from milehpc import plugins
-
-    if source == target:
-        return identity
-    for name, entry in plugins.registry("converter").items():
-        spec = entry.spec
-        if getattr(spec, "source", "") == source and getattr(spec, "target", "") == target:
-            plugins.check_requires(spec, f"converter '{name}'")
-            return partial(spec.load(), **dict(params or {}))
-    raise PluginError(f"no weight converter from '{source}' to '{target}' is registered "
-                      f"(plugin kind 'converter', with source='{source}' and target='{target}')")
-
-
-# ---- the whole sync, on every rank ----------------------------------------------
-def sync_weights(comms: Comms, version: int, *, named_tensors: NamedTensors | Callable[[int], NamedTensors] | None = None,
-                 engine: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 converter: Converter | None = None, timeout: float | None = None) -> list[SyncStats]:
-    """Call on every rank. Stage leaders send ``named_tensors`` (their stage's weights; a callable gets the stage),
-    rollout ranks load what arrives into ``engine`` (stage by stage), other trainer ranks return at once.
-    Colocated: the engine on this rank takes the trainer's tensors in place, no communication.
-    Returns the stats of what this rank sent (empty elsewhere)."""
-    convert = converter or identity
-    sent: list[SyncStats] = []
-    if comms.plan.colocated:
-        if engine is None or named_tensors is None:
-            raise ValueError("colocated weight sync needs both named_tensors and engine on every rank")
-        tensors = named_tensors(0) if callable(named_tensors) else named_tensors
-        engine.update_weights(convert(tensors), version)
-        return sent
-    for stage in sorted(comms.sync_groups):
-        group = comms.sync_groups[stage]
-        if group.is_source:
-            if named_tensors is None:
-                raise ValueError(f"rank {comms.rank} leads stage {stage}: it needs named_tensors")
-            tensors = named_tensors(stage) if callable(named_tensors) else named_tensors
-            sent.append(send_weights(group, tensors, version, bucket_bytes, converter=convert, timeout=timeout))
-        else:
-            if engine is None:
-                raise ValueError(f"rank {comms.rank} is a rollout rank: it needs the engine")
-            stream = recv_weights_stream(group, timeout)
-            engine.update_weights(stream, stream.version)
-            stream.drain()
-    return sent
-
-
-# ---- checking -------------------------------------------------------------------
-@dataclass(frozen=True)
-class Mismatch:
-    name: str
-    rank: int
-    reason: str
-    max_abs_diff: float = float("inf")
-
-
-@dataclass
-class WeightCheck:
-    checked: int = 0
-    skipped: int = 0
-    mismatches: list[Mismatch] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
-
-    @property
-    def worst(self) -> Mismatch | None:
-        return max(self.mismatches, key=lambda m: m.max_abs_diff, default=None)
-
-    def merge(self, other: WeightCheck) -> WeightCheck:
-        return WeightCheck(self.checked + other.checked, self.skipped + other.skipped,
-                           self.mismatches + other.mismatches)
-
-    def summary(self) -> str:
-        if self.ok:
-            return f"weights equal: {self.checked} (tensor, rank) check(s), {self.skipped} skipped"
-        w = self.worst
-        assert w is not None
-        return (f"weights differ: {len(self.mismatches)} of {self.checked} (tensor, rank) check(s); worst: {w.name} on rank "
-                f"{w.rank} ({w.reason})")
-
-
-def compare_named_tensors(expected: NamedTensors, actual: Mapping[str, torch.Tensor] | NamedTensors, *,
-                          rank: int = 0, atol: float = 0.0, rtol: float = 0.0,
-                          skip: Sequence[str] = ()) -> WeightCheck:
-    """Compare tensors by name: exact when ``atol == rtol == 0`` (bit-exact), else |a - b| <= atol + rtol * |b|.
-    ``skip`` holds fnmatch patterns of names to leave out. Names missing on the actual side are mismatches."""
-    import torch
-
-    have = actual if isinstance(actual, Mapping) else dict(actual)
-    result = WeightCheck()
-    for name, want in expected:
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in skip):
-            result.skipped += 1
-            continue
-        result.checked += 1
-        got = have.get(name)
-        if got is None:
-            result.mismatches.append(Mismatch(name, rank, "missing on the rollout side"))
-            continue
-        if tuple(got.shape) != tuple(want.shape):
-            result.mismatches.append(Mismatch(name, rank, f"shape {tuple(got.shape)} != {tuple(want.shape)}"))
-            continue
-        want_c, got_c = want.detach().to(got.device), got.detach()
-        if atol == 0 and rtol == 0:
-            if got_c.dtype == want_c.dtype and torch.equal(got_c, want_c):
-                continue
-            if got_c.dtype != want_c.dtype:
-                result.mismatches.append(Mismatch(name, rank, f"dtype {got_c.dtype} != {want_c.dtype}"))
-                continue
-        a, b = got_c.double(), want_c.double()
-        diff = (a - b).abs()
-        nan_mismatch = bool((a.isnan() != b.isnan()).any())
-        bound = atol + rtol * b.abs()
-        if nan_mismatch or bool((diff > bound).any()):
-            worst = float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0
-            result.mismatches.append(Mismatch(name, rank, f"max |diff| {worst:.3g} > atol {atol:g} + rtol {rtol:g}",
-                                              worst))
-    return result
-
-
-def check_weight_update_equal(group: WeightSyncGroup, *, named_tensors: NamedTensors | None = None,
-                              local: Mapping[str, torch.Tensor] | NamedTensors | None = None,
-                              atol: float = 0.0, rtol: float = 0.0, skip: Sequence[str] = (),
-                              converter: Converter | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                              timeout: float | None = None) -> WeightCheck:
-    """Collective over ``group``: the source sends its tensors (``named_tensors``), every rollout rank compares them
-    with its engine's (``local``, e.g. ``dict(engine.named_parameters())``). Every member gets the merged result
-    (the worst mismatch over all ranks). Does not change the weight versions."""
-    comms = group.comms
-    if group.is_source:
-        if named_tensors is None:
-            raise ValueError("the source of check_weight_update_equal needs named_tensors")
-        send_weights(group, named_tensors, group.version, bucket_bytes, converter=converter, kind="check",
-                     timeout=timeout)
-        mine = WeightCheck()
-    else:
-        if local is None:
-            raise ValueError("a rollout rank of check_weight_update_equal needs local (its engine's tensors)")
-        stream = recv_weights_stream(group, timeout)
-        mine = compare_named_tensors(stream, local, rank=comms.rank, atol=atol, rtol=rtol, skip=skip)
-        stream.drain()
-    results = comms.gather(mine, group.source, group.ranks, what=f"weight check (stage {group.stage})",
-                           timeout=timeout)
-    merged = None
-    if results is not None:
-        merged = WeightCheck()
-        for r in results[1:]:
-            merged = merged.merge(r)
-    return comms.bcast(merged, group.source, group.ranks, what=f"weight check (stage {group.stage})",
-                       timeout=timeout)

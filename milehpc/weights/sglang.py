@@ -6,7 +6,7 @@ a TCP rendezvous at ``master_address:master_port`` as rank ``rank_offset + tp_ra
 registration in ``_world.pg_group_ranks`` (``init_custom_process_group`` in sgl-project/sglang
 ``python/sglang/srt/utils/common.py``; slime and OpenRLHF copy the same recipe for their trainer side).
 The trainer's stage leader joins as rank 0 the same way (:func:`join_update_group`), but hosts the TCPStore itself
-on a port seeded by the job id and checked free (:func:`milehpc.runtime.comm.host_store`), so nothing blocks until
+on a port seeded by the job id and checked free (:func:`milehpc.comm.net.host_store`), so nothing blocks until
 all workers have arrived.
 
 One sync (:func:`sync_weights`), per pipeline stage, in stage order:
@@ -23,21 +23,15 @@ need a group; if any does, every stage's group is rebuilt (old groups destroyed 
 from __future__ import annotations
 
 import inspect
-import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from milehpc.rollout import sglang_mapping as sm
 
 if TYPE_CHECKING:
-    from milehpc.runtime.comm import Comms
+    from milehpc.comm.world import Comms
 
 
-def free_port() -> int:
-    """A port free on this host right now (bound and released)."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def join_update_group(store: Any, *, world_size: int, rank: int, group_name: str, backend: str,
@@ -77,7 +71,7 @@ class StageSender:
         return [self.comms.rank, *self.leaders]
 
     def setup(self, run_id: str) -> None:
-        from milehpc.runtime.comm import host_store, resolve_address
+        from milehpc.comm.net import host_store, resolve_address
 
         if self.pg is not None:
             leave_update_group(self.pg)
@@ -149,8 +143,8 @@ _SENDERS: dict[int, dict[int, StageSender]] = {}  # per Comms object: this rank'
 def sync_weights(comms: Comms, version: int, *, named_tensors: Any = None, engine: Any = None,
                  bucket_bytes: int = 512 << 20, converter: Any = None, timeout: float | None = None,
                  run_id: str = "milehpc") -> dict[str, float]:
-    """Drop-in for :func:`milehpc.runtime.weights.sync_weights` when the engine is SGLang on separate ranks
-    (``engine.receives_weights_directly``): call on every rank. Stage leaders send ``named_tensors`` (their stage's
+    """Drop-in for :func:`milehpc.weights.broadcast.sync_weights` when the engine is SGLang on separate ranks
+    (its plugin says ``direct_weight_sync``, see :func:`milehpc.weights.sync.direct_weight_sync`): call on every rank. Stage leaders send ``named_tensors`` (their stage's
     HF-named weights; a callable gets the stage), engine leaders have SGLang receive them, other ranks return.
     ``converter`` maps trainer names/layouts to HF ones (as in the runtime's sync); ``timeout`` is the comms'.
     """

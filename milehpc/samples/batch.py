@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from milehpc.rollout.sample import Sample, Status
+from milehpc.samples import Sample, Status
 
 if TYPE_CHECKING:
     import torch

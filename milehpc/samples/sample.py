@@ -59,3 +59,6 @@ class Sample:
         data = dict(data)
         data["status"] = Status(data.get("status", "completed"))
         return cls(**data)
+
+
+Group = list[Sample]  # the samples of one prompt: the unit that rewards, filters and group advantages work on

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from milehpc.comm.world import Comms
     from milehpc.config.job import JobSpec
     from milehpc.plan import Plan
-    from milehpc.runtime.comm import Comms
 
 
 @dataclass

@@ -40,10 +40,11 @@ from milehpc.errors import RuntimeFailure
 if TYPE_CHECKING:
     import torch
 
+    from milehpc.comm.context import RunContext
     from milehpc.rollout.engine import SamplingParams
-    from milehpc.rollout.sample import Sample
+    from milehpc.samples import Sample
 
-log = logging.getLogger("milehpc.engine_supervisor")
+log = logging.getLogger("milehpc.rollout.supervisor")
 
 
 class EngineDied(RuntimeError):
@@ -113,7 +114,7 @@ class ProcessEngine:
 
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        code = ("import sys; from milehpc.runtime.engine_supervisor import _worker; "
+        code = ("import sys; from milehpc.rollout.supervisor import _worker; "
                 "_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(to_child_r), str(from_child_w), self.factory],
                                      pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
@@ -245,6 +246,7 @@ class EngineSupervisor:
     _weights: list[tuple[str, Any]] | None = None
     _version: int = 0
     _next_id: int = 0
+    tokens_generated: int = 0  # new tokens of the samples returned (a lost chunk's tokens do not count)
     # The engine's sampling state (RNG) as of its last successful call: an engine that dies between generations
     # (noticed at the next call of any kind) comes back with it, so later samples are those of a run without
     # the crash.
@@ -269,6 +271,7 @@ class EngineSupervisor:
         """Like ``Engine.generate``; each prompt (or each continued sample) is generated exactly once, whatever
         the engine process does. ``group`` of the returned samples is the prompt's position in ``prompts``."""
         items = list(samples) if samples is not None else list(prompts)
+        already = sum(len(s.response_ids) for s in samples) if samples is not None else 0
         ids = list(range(self._next_id, self._next_id + len(items)))
         self._next_id += len(items)
         self.ledger.expected.update(ids)
@@ -307,6 +310,7 @@ class EngineSupervisor:
                 results[pid] = got
                 self.ledger.completed.add(pid)
         out = [s for pid in ids for s in results[pid]]
+        self.tokens_generated += sum(len(s.response_ids) for s in out) - already
         self._engine_state()  # remember the state after this generation (see _last_state)
         if samples is not None:
             # Engines continue partial rollouts in place (the caller keeps its Sample objects): copy back.
@@ -385,21 +389,18 @@ class EngineSupervisor:
 
 def reference_in_child(job: dict[str, Any], rank: int = 0, device: str = "cpu") -> Any:
     """Child-side factory: the reference engine exactly as ``reference.from_context`` builds it on ``rank``."""
-    from types import SimpleNamespace
-
     from milehpc.config.job import JobSpec
     from milehpc.config.schema import build
-    from milehpc.rollout.reference import from_context
+    from milehpc.rollout.reference import build_engine
 
-    return from_context(SimpleNamespace(job=build(JobSpec, job), comms=SimpleNamespace(device=device, rank=rank)))
+    return build_engine(build(JobSpec, job), device=device, rank=rank)
 
 
-def reference_process_from_context(ctx: Any, *, chunk_prompts: int = 0) -> EngineSupervisor:
+def reference_process_from_context(ctx: RunContext, *, chunk_prompts: int = 0) -> EngineSupervisor:
     """Engine factory (``impl(ctx)``): the reference engine in a supervised child process of this rank."""
     from milehpc.config.schema import to_dict
 
-    comms = getattr(ctx, "comms", None)
-    rank = getattr(comms, "rank", 0)
-    engine = ProcessEngine("milehpc.runtime.engine_supervisor:reference_in_child",
-                           {"job": to_dict(ctx.job), "rank": rank, "device": str(getattr(comms, "device", None) or "cpu")})
+    comms = ctx.comms
+    engine = ProcessEngine("milehpc.rollout.supervisor:reference_in_child",
+                           {"job": to_dict(ctx.job), "rank": comms.rank, "device": str(comms.device or "cpu")})
     return EngineSupervisor(engine, chunk_prompts=chunk_prompts)

@@ -1,0 +1,51 @@
+"""Addresses and ports a rank offers to its peers: the host's address after the site's ``master_addr`` mode, ports
+seeded by the job id (so co-located jobs on one node do not collide) and checked free by binding them."""
+
+from __future__ import annotations
+
+import socket
+import zlib
+from datetime import timedelta
+from typing import Any
+
+from milehpc.errors import RuntimeFailure
+
+PORT_BASE, PORT_SPAN, PORT_TRIES = 20000, 40000, 64
+
+
+def resolve_address(mode: str) -> str:
+    """The address this host offers to peers, after the site's ``master_addr`` (hostname | hostname -i | 127.0.0.1)."""
+    if mode == "127.0.0.1":
+        return mode
+    host = socket.gethostname()
+    if mode == "hostname -i":
+        return socket.gethostbyname(host)
+    return host
+
+
+def seeded_port(key: str, attempt: int = 0) -> int:
+    """A port derived from the job id, so co-located jobs on one node do not collide (20000 + crc32 % 40000)."""
+    return PORT_BASE + (zlib.crc32(key.encode()) + attempt) % PORT_SPAN
+
+
+def host_store(address: str, key: str, world_size: int, timeout: float) -> tuple[Any, int]:
+    """Start a TCPStore server on the first free port from the seeded one (binding is the check)."""
+    from torch.distributed import TCPStore
+
+    last: Exception | None = None
+    for attempt in range(PORT_TRIES):
+        port = seeded_port(key, attempt)
+        try:
+            store = TCPStore(address, port, world_size, True, timedelta(seconds=timeout), wait_for_workers=False)
+            return store, port
+        except RuntimeError as err:  # DistNetworkError: address in use
+            last = err
+    raise RuntimeFailure(f"no free port for the TCPStore on {address} after {PORT_TRIES} tries from "
+                         f"{seeded_port(key)}: {last}")
+
+
+def free_port() -> int:
+    """A port free on this host right now (bound and released)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])

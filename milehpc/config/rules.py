@@ -1,0 +1,251 @@
+"""Job rules that span several tables of the job spec. They run on the login node — in ``submit``, ``plan``,
+``render`` and ``run`` (:func:`milehpc.render.rundir.prepare`) — with the same one-line errors (file, field, what
+was expected; exit code 2) as every single-field check, so a job that can only fail never waits in the queue. The
+ranks do not check them again.
+
+A rule may read the plugin registry (:func:`milehpc.plugins.lookup`: the registered dataclasses, never their
+implementations) and lower layers; nothing here imports torch, an engine or a trainer (nor any module above
+``config``: tests/test_import_layers.py). What only the job can know (an installed package, a checkpoint's
+``config.json``, a field of SGLang's ``ServerArgs``) stays where the job runs.
+
+Every rule has a case in ``tests/test_config_rules.py`` and a file in ``tests/corpus/jobs/`` whose header names it
+(``# rule: <function name>``); a rule added to :data:`RULES` without them fails the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from milehpc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from milehpc.config.job import JobSpec
+    from milehpc.plugin_types import AdvantageEstimator
+
+Rule = Callable[["JobSpec", "str | None"], None]
+
+# Engines that compute in model.dtype (HF transformers modules; the process variant wraps the same engine).
+REFERENCE_ENGINES = ("reference", "reference_process")
+
+
+# ---- helpers (login-safe: the registry's dataclasses and check_params, nothing heavy) -------------------------
+
+def _estimator(job: JobSpec, file: str | None) -> AdvantageEstimator | None:
+    """The registered advantage estimator (None while no estimator plugin is registered at all)."""
+    from milehpc import plugins
+
+    if not plugins.registry("advantage"):
+        return None
+    return plugins.lookup("advantage", job.algorithm.advantage, file=file, field="algorithm.advantage")
+
+
+def _trainer_options(job: JobSpec, file: str | None) -> dict[str, Any]:
+    """``trainer.options`` over the trainer plugin's defaults (an unknown key or a wrong type is one line)."""
+    from milehpc import plugins
+    from milehpc.config.schema import check_params
+
+    spec = plugins.lookup("trainer", job.trainer.backend, file=file, field="trainer.backend")
+    return check_params(spec.defaults, job.trainer.options, file=file, prefix="trainer.options")
+
+
+# ---- the loop ----------------------------------------------------------------------------------------------
+
+def colocated_runs_sync(job: JobSpec, file: str | None) -> None:
+    """resources.colocate × run.loop: one process per GPU cannot overlap generation and training."""
+    if job.resources.colocate and job.run.loop != "sync":
+        raise ConfigError(f"expected 'sync' with resources.colocate = true (one process cannot overlap generation "
+                          f"and training), got {job.run.loop!r}", file=file, field="run.loop")
+
+
+def stale_samples_need_a_correction(job: JobSpec, file: str | None) -> None:
+    """run.loop × run.stale_policy × algorithm.off_policy_correction."""
+    if job.run.loop == "async" and job.run.stale_policy == "correct" and job.algorithm.off_policy_correction == "none":
+        raise ConfigError("stale_policy = 'correct' keeps stale samples for importance correction: expected "
+                          "algorithm.off_policy_correction = 'tis' or 'mis', got 'none'", file=file,
+                          field="run.stale_policy")
+
+
+def partial_rollouts_need_the_builtin_generation(job: JobSpec, file: str | None) -> None:
+    """rollout.partial_rollout × rollout.generator: a custom generator owns its turns; it cannot be cut and
+    continued."""
+    if job.rollout.generator and job.rollout.partial_rollout:
+        raise ConfigError(f"expected partial_rollout = false with a custom generator "
+                          f"(rollout.generator = {job.rollout.generator!r}), got true", file=file,
+                          field="rollout.partial_rollout")
+
+
+def generator_params_fit_the_generator(job: JobSpec, file: str | None) -> None:
+    """rollout.generator × rollout.generator_params (× the generator plugin's declared params)."""
+    if not job.rollout.generator:
+        return
+    from milehpc import plugins
+    from milehpc.config.schema import check_params
+
+    spec = plugins.lookup("generator", job.rollout.generator, file=file, field="rollout.generator")
+    check_params(spec.defaults, job.rollout.generator_params, file=file, prefix="rollout.generator_params")
+
+
+# ---- plugin options --------------------------------------------------------------------------------------------
+
+def trainer_options_fit_the_trainer(job: JobSpec, file: str | None) -> None:
+    """trainer.backend × trainer.options (× the trainer plugin's declared options)."""
+    _trainer_options(job, file)
+
+
+def engine_options_fit_the_engine(job: JobSpec, file: str | None) -> None:
+    """rollout.engine × rollout.options (× the engine plugin's declared options: unknown keys, types, and its own
+    full check, e.g. SGLang's speculative decoding and reserved server args)."""
+    from milehpc import plugins
+    from milehpc.config.schema import check_params
+    from milehpc.plugin_types import load_ref
+
+    spec = plugins.lookup("engine", job.rollout.engine, file=file, field="rollout.engine")
+    check_params(spec.defaults, job.rollout.options, file=file, prefix="rollout.options")
+    if spec.check_options is not None:
+        load_ref(spec.check_options)(job.rollout.options, file=file)
+
+
+# ---- the model -------------------------------------------------------------------------------------------------
+
+def moe_is_built_as_qwen2(job: JobSpec, file: str | None) -> None:
+    """model.num_experts × model.arch × model.path: a mixture of experts built from the [model] table is a
+    Qwen2-MoE (a checkpoint's own config.json names its family)."""
+    m = job.model
+    if m.num_experts > 0 and not m.path and m.arch != "qwen2":
+        raise ConfigError(f"expected arch = 'qwen2' for a mixture of experts (model.num_experts = {m.num_experts}), "
+                          f"got {m.arch!r}", file=file, field="model.arch")
+
+
+# ---- precision -------------------------------------------------------------------------------------------------
+
+def torch_trainer_has_no_fp8(job: JobSpec, file: str | None) -> None:
+    """trainer.backend × trainer.precision: FP8 GEMMs (transformer-engine) are the megatron trainer's; the torch
+    trainer would train in model.dtype and say nothing."""
+    if job.trainer.backend == "torch" and job.trainer.precision == "fp8":
+        raise ConfigError("expected 'fp32' or 'bf16' with trainer.backend = 'torch' (FP8 training needs "
+                          "trainer.backend = 'megatron'), got 'fp8'", file=file, field="trainer.precision")
+
+
+def reduced_precision_needs_bfloat16_weights(job: JobSpec, file: str | None) -> None:
+    """trainer.precision × model.dtype × trainer.backend × rollout.engine: the torch trainer and the reference
+    engines compute in model.dtype, so bf16/fp8 there needs bfloat16 weights (else the job trains or samples in
+    another number format than it asked for, and rollout and trainer logprobs disagree)."""
+    if job.trainer.precision == "fp32" or job.model.dtype == "bfloat16":
+        return
+    who = ("trainer.backend = 'torch'" if job.trainer.backend == "torch" else
+           f"rollout.engine = {job.rollout.engine!r}" if job.rollout.engine in REFERENCE_ENGINES else None)
+    if who:
+        raise ConfigError(f"{who} computes in model.dtype: expected 'bfloat16' with trainer.precision = "
+                          f"{job.trainer.precision!r}, got {job.model.dtype!r}", file=file, field="model.dtype")
+
+
+# ---- trainers --------------------------------------------------------------------------------------------------
+
+def megatron_has_no_critic_or_teacher(job: JobSpec, file: str | None) -> None:
+    """trainer.backend × algorithm.advantage (the estimator plugin's needs_critic / needs_teacher)."""
+    if job.trainer.backend != "megatron":
+        return
+    est = _estimator(job, file)
+    if est is None or not (est.needs_critic or est.needs_teacher):
+        return
+    needs = "a critic" if est.needs_critic else "a teacher"
+    raise ConfigError(f"expected a critic-free estimator without a teacher with trainer.backend = 'megatron' "
+                      f"(no critic or teacher model there yet; trainer.backend = 'torch' has them), got "
+                      f"{job.algorithm.advantage!r} (needs {needs})", file=file, field="algorithm.advantage")
+
+
+def megatron_has_no_kl_reference(job: JobSpec, file: str | None) -> None:
+    """trainer.backend × algorithm.kl_coef: a KL term needs a frozen reference model."""
+    if job.trainer.backend == "megatron" and job.algorithm.kl_coef > 0:
+        raise ConfigError(f"expected kl_coef = 0 with trainer.backend = 'megatron' (no KL reference model there yet; "
+                          f"trainer.backend = 'torch' has one), got {job.algorithm.kl_coef:g}", file=file,
+                          field="algorithm.kl_coef")
+
+
+def megatron_moe_needs_tp_1(job: JobSpec, file: str | None) -> None:
+    """trainer.backend × model.num_experts × trainer.tp: Megatron trains MoE with TP only together with sequence
+    parallelism (transformer-engine/Apex)."""
+    if job.trainer.backend == "megatron" and job.model.num_experts > 0 and job.trainer.tp > 1:
+        raise ConfigError(f"expected trainer.tp = 1 for a mixture of experts (model.num_experts = "
+                          f"{job.model.num_experts}; split experts with trainer.ep), got {job.trainer.tp}",
+                          file=file, field="trainer.tp")
+
+
+def megatron_ep_divides_the_experts(job: JobSpec, file: str | None) -> None:
+    """trainer.backend × trainer.ep × model.num_experts: every expert-parallel rank holds as many experts."""
+    n, ep = job.model.num_experts, job.trainer.ep
+    if job.trainer.backend == "megatron" and n > 0 and n % ep:
+        raise ConfigError(f"expected trainer.ep to divide the {n} experts (model.num_experts), got {ep}",
+                          file=file, field="trainer.ep")
+
+
+def fsdp_trains_the_policy_alone(job: JobSpec, file: str | None) -> None:
+    """trainer.options.fsdp × trainer.dp × algorithm.kl_coef × algorithm.advantage (needs_critic), torch trainer:
+    FSDP2 shards the policy over several trainer ranks; a reference or critic model would need the same."""
+    if job.trainer.backend != "torch" or job.trainer.ranks == 1 or not _trainer_options(job, file)["fsdp"]:
+        return
+    est = _estimator(job, file)
+    if job.algorithm.kl_coef > 0 or (est is not None and est.needs_critic):
+        what = (f"algorithm.kl_coef = {job.algorithm.kl_coef:g}" if job.algorithm.kl_coef > 0 else
+                f"algorithm.advantage = {job.algorithm.advantage!r} (a critic)")
+        raise ConfigError(f"trainer.options.fsdp supports the policy alone: expected no KL reference (kl_coef = 0) "
+                          f"and no critic on {job.trainer.ranks} trainer ranks, got {what}", file=file,
+                          field="trainer.options.fsdp")
+
+
+def distillation_needs_a_teacher(job: JobSpec, file: str | None) -> None:
+    """algorithm.advantage (needs_teacher) × trainer.options.teacher_path, torch trainer."""
+    if job.trainer.backend != "torch":
+        return
+    est = _estimator(job, file)
+    if est is not None and est.needs_teacher and not _trainer_options(job, file)["teacher_path"]:
+        raise ConfigError(f"on-policy distillation (algorithm.advantage = {job.algorithm.advantage!r}) needs a "
+                          f"teacher: expected trainer.options.teacher_path = a local HF checkpoint folder, got none",
+                          file=file, field="trainer.options.teacher_path")
+
+
+# ---- SGLang --------------------------------------------------------------------------------------------------
+
+def sglang_stop_strings_need_a_tokenizer(job: JobSpec, file: str | None) -> None:
+    """rollout.engine × rollout.stop × model.tokenizer: SGLang matches stop strings with its own tokenizer, which
+    cannot be the toy one (token ids in and out, skip_tokenizer_init)."""
+    if job.rollout.engine == "sglang" and job.rollout.stop and job.model.tokenizer == "toy":
+        raise ConfigError("stop strings need a tokenizer SGLang can load: expected model.tokenizer = a tokenizer "
+                          f"folder (or stop token ids), got 'toy' with stop = {job.rollout.stop!r}", file=file,
+                          field="rollout.stop")
+
+
+def routing_replay_needs_moe(job: JobSpec, file: str | None) -> None:
+    """rollout.engine × rollout.options.return_routed_experts × model.num_experts: SGLang returns routed experts
+    of an MoE model only (unset = on for MoE models)."""
+    if (job.rollout.engine == "sglang" and job.rollout.options.get("return_routed_experts") is True
+            and job.model.num_experts == 0):
+        raise ConfigError("routing replay needs an MoE model: expected model.num_experts > 0 with "
+                          "return_routed_experts = true, got 0", file=file,
+                          field="rollout.options.return_routed_experts")
+
+
+# Options first (later rules read them); the first rule broken is the one reported.
+RULES: tuple[Rule, ...] = (
+    trainer_options_fit_the_trainer, engine_options_fit_the_engine, generator_params_fit_the_generator,
+    colocated_runs_sync, stale_samples_need_a_correction, partial_rollouts_need_the_builtin_generation,
+    moe_is_built_as_qwen2, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
+    megatron_has_no_critic_or_teacher, megatron_has_no_kl_reference, megatron_moe_needs_tp_1,
+    megatron_ep_divides_the_experts, fsdp_trains_the_policy_alone, distillation_needs_a_teacher,
+    sglang_stop_strings_need_a_tokenizer, routing_replay_needs_moe,
+)
+
+
+def check_job_rules(job: JobSpec, *, file: str | None = None) -> None:
+    """Every cross-table rule; the first one broken is one :class:`ConfigError`."""
+    for rule in RULES:
+        rule(job, file)
+
+
+def check_single_process(job: JobSpec, *, file: str | None = None) -> None:
+    """The in-process runner (:func:`milehpc.runtime.loop.run_local`): the job rules, and the sync loop only."""
+    check_job_rules(job, file=file)
+    if job.run.loop != "sync":
+        raise ConfigError(f"expected run.loop = 'sync' for a single-process run, got {job.run.loop!r}", file=file,
+                          field="run.loop")

@@ -1,0 +1,79 @@
+"""The colocated layout: every rank generates its share, trains on it (DP over all ranks) and loads the new weights
+into its own engine in place. Only the sync loop (one process cannot overlap generation and training; the job rules
+refuse the others on the login node). With SGLang the two halves of a step go through
+:class:`milehpc.runtime.colocate.ColocatedStep` (Miles' offload/onload order around torch_memory_saver)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from milehpc.runtime.loop import schedule
+from milehpc.runtime.loop.rollout_side import RolloutSide
+from milehpc.runtime.loop.trainer_side import TrainerSide, world_facts
+
+if TYPE_CHECKING:
+    from milehpc.comm.context import RunContext
+    from milehpc.rollout.engine import Engine
+    from milehpc.runtime.colocate import ColocatedStep
+    from milehpc.runtime.loop.checkpointing import LoopCheckpoint
+    from milehpc.train.base import Trainer
+
+
+def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: ColocatedStep | None,
+                  checkpointing: LoopCheckpoint, progress: bool) -> list[dict[str, float]]:
+    """This rank's loop; returns the leader's metrics history (empty elsewhere)."""
+    job, comms, plan = ctx.job, ctx.comms, ctx.plan
+    e, _ = plan.engine_of(comms.rank)
+    _, dp, _ = plan.trainer_coords(comms.rank)
+    leader = comms.rank == 0
+    file = str(ctx.run_dir / "job.toml")
+    rollout = RolloutSide(job, engine, engine_index=e, num_engines=plan.engines, file=file)
+    side = TrainerSide(job, trainer, run_dir=ctx.run_dir, dp_rank=dp, dp_size=plan.dp, leader=leader, file=file,
+                       progress=progress)
+    everyone = list(range(plan.world_size))
+    side.static = world_facts(comms)
+    try:
+        checkpointing.restore(trainer=side, rollout=rollout)
+        if colo is None:
+            side.warmup()
+            rollout.update_weights(trainer.export_weights(), trainer.version)
+        else:
+            with colo.train_region():
+                side.warmup()
+            colo.initial_sync(trainer.version)
+            rollout.state.weight_version = trainer.version
+        for step in range(side.state.step, job.run.steps):
+            t0 = time.perf_counter()
+            if colo is None:
+                groups, stats = rollout.produce()
+            else:
+                groups, stats = colo.generate_phase(rollout.produce)
+            gathered = comms.gather((groups, stats), 0, everyone, what=f"step {step} rollouts")
+            metrics: dict[str, float] = {}
+            if leader:
+                all_groups = [g for part in gathered for g in part[0]]
+                merged = schedule.merge_rollout_stats([part[1] for part in gathered])
+                metrics = schedule.rollout_metrics(merged)
+                metrics["rollout/gen_tokens"] = merged.get("gen_tokens", 0.0)
+            counts = comms.allgather(len(groups), everyone, what=f"step {step} group counts")
+            # A rank without data cannot join the gradient all-reduce: then nobody trains this step.
+            samples = schedule.samples_of(groups) if min(counts) > 0 else []
+            if colo is None:
+                metrics.update(side.train(step, samples))
+                t1 = time.perf_counter()
+                rollout.update_weights(trainer.export_weights(), trainer.version)
+                metrics["time/sync"] = time.perf_counter() - t1
+            else:
+                metrics.update(colo.train_phase(lambda step=step, samples=samples: side.train(step, samples)))
+            rollout.state.weight_version = trainer.version
+            metrics["time/step"] = time.perf_counter() - t0
+            stop = comms.bcast(leader and side.target_reached(metrics), 0, everyone, what="stop flag")
+            if leader:
+                side.report(step, metrics, all_groups)
+            checkpointing.step_done(step, trainer=side, rollout=rollout)
+            if stop:
+                break
+    finally:
+        side.close()
+    return side.history

@@ -1,0 +1,57 @@
+"""The loop's entry on every rank (``milehpc launch`` calls :func:`run`): build this rank's engine and/or trainer
+from their plugins, the checkpointing, and hand over to the driver of the plan's layout."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from milehpc.comm.context import RunContext
+    from milehpc.rollout.engine import Engine
+    from milehpc.runtime.colocate import ColocatedStep
+    from milehpc.runtime.loop.checkpointing import LoopCheckpoint
+    from milehpc.train.base import Trainer
+
+
+def run(ctx: RunContext, *, progress: bool = True, checkpointing: LoopCheckpoint | None = None,
+        ) -> list[dict[str, float]]:
+    """The loop on this rank. Returns the trainer leader's metrics history (empty on other ranks).
+    ``checkpointing``: resume and checkpoints (default :meth:`LoopCheckpoint.for_context`)."""
+    from milehpc import plugins
+    from milehpc.runtime.loop.checkpointing import LoopCheckpoint
+
+    job, plan, comms = ctx.job, ctx.plan, ctx.comms
+    random.seed(job.run.seed + comms.rank)
+    file = str(ctx.run_dir / "job.toml")
+    engine: Engine | None = None
+    trainer: Trainer | None = None
+    colo: ColocatedStep | None = None
+    if plan.is_rollout(comms.rank):
+        engine = plugins.load("engine", job.rollout.engine, file=file, field="rollout.engine")(ctx)
+    if plan.colocated and engine is not None:
+        from milehpc.runtime.colocate import for_job
+
+        colo = for_job(job, engine, device=comms.device)  # None for engines with nothing to offload
+    if plan.is_trainer(comms.rank):
+        make_trainer = plugins.load("trainer", job.trainer.backend, file=file, field="trainer.backend")
+        if colo is not None:  # parameters and optimizer state in the pausable region
+            with colo.train_region():
+                trainer = colo.trainer = make_trainer(ctx)
+        else:
+            trainer = make_trainer(ctx)
+    ckpt = checkpointing or LoopCheckpoint.for_context(ctx)
+    if plan.colocated:
+        from milehpc.runtime.loop.colocated import run_colocated
+
+        assert engine is not None and trainer is not None
+        return run_colocated(ctx, engine, trainer, colo=colo, checkpointing=ckpt, progress=progress)
+    if trainer is not None:
+        from milehpc.runtime.loop.separate_trainer import SeparateTrainer
+
+        return SeparateTrainer(ctx, trainer, ckpt, progress=progress).run()
+    from milehpc.runtime.loop.separate_rollout import SeparateRollout
+
+    assert engine is not None
+    SeparateRollout(ctx, engine, ckpt).run()
+    return []

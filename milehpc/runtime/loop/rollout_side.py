@@ -1,0 +1,219 @@
+"""One rollout rank's side of the loop: take prompts, generate (partial rollouts, over-sampling, the dynamic
+filter), score, and keep what was sent to the trainer until it is trained (the outbox).
+
+Engine leaders produce batches; the other ranks of a multi-rank engine only take part in weight updates.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from milehpc.config.job import ROLLOUT_LOOP_OPTIONS
+from milehpc.runtime.loop.state import LoopState
+from milehpc.samples import Group, Sample, Status
+
+if TYPE_CHECKING:
+    from milehpc.config.job import JobSpec
+    from milehpc.rollout.engine import Engine
+    from milehpc.weights.converters import NamedTensors
+
+_COUNTERS = ("reward_sum", "reward_sq", "scored", "samples", "failed", "truncated", "filtered", "carried",
+             "resp_tokens", "gen_tokens", "groups", "time_gen", "time_reward")
+
+
+@dataclass
+class SentBatch:
+    """A batch sent to the trainer and not yet known to be trained (kept for a checkpoint to hold it)."""
+
+    batch: int
+    groups: list[Group]
+    stats: dict[str, float]
+
+
+class RolloutSide:
+    """One rollout rank (see the module docstring)."""
+
+    def __init__(self, job: JobSpec, engine: Engine, *, engine_index: int = 0, num_engines: int = 1,
+                 leader: bool = True, file: str | None = None) -> None:
+        from milehpc import plugins
+        from milehpc.config.schema import check_params
+        from milehpc.data.source import build_source, task_reward_name
+        from milehpc.data.tokenizer import build_tokenizer
+        from milehpc.rewards.api import RewardRunner
+        from milehpc.rollout.reference import sampling_from_spec
+
+        self.job, self.engine, self.leader = job, engine, leader
+        self.e, self.E = engine_index, num_engines
+        ro = job.rollout
+        self.tokenizer = build_tokenizer(job.model.tokenizer)
+        self.source = build_source(job.data, self.tokenizer, file=file)
+        self.scorer = RewardRunner.from_spec(job.reward, task_reward_name(job.data) or None, file=file)
+        self.sampling = sampling_from_spec(ro, self.tokenizer)
+        self.generator: Callable[..., list[Sample]] | None = None
+        self.generator_params: dict[str, Any] = {}
+        if ro.generator:
+            spec = plugins.lookup("generator", ro.generator, file=file, field="rollout.generator")
+            self.generator_params = check_params(spec.defaults, ro.generator_params, file=file,
+                                                 prefix="rollout.generator_params")
+            self.generator = plugins.load("generator", ro.generator)
+        self.options = {**ROLLOUT_LOOP_OPTIONS, **ro.options}
+        self.state = LoopState()
+        # This engine's quota of each step's prompts.
+        self.quota = ro.prompts_per_step // num_engines + (engine_index < ro.prompts_per_step % num_engines)
+        self._cursor = 0  # this engine's own prompt counter; global position = cursor * E + e
+        self.outbox: list[SentBatch] = []  # sent to the trainer, not yet trained
+
+    # -- prompts --
+    def _take(self, k: int) -> list[Any]:
+        out = [self.source.peek(c * self.E + self.e) for c in range(self._cursor, self._cursor + k)]
+        self._cursor += k
+        return out
+
+    # -- one batch --
+    def produce(self) -> tuple[list[Group], dict[str, float]]:
+        """Groups for the next step (scored, filtered) and raw counters for the metrics."""
+        ro = self.job.rollout
+        stats = dict.fromkeys(_COUNTERS, 0.0)
+        need = self.quota
+        groups, self.state.ready = self.state.ready[:need], self.state.ready[need:]
+        rounds = 0
+        while len(groups) < need and rounds < int(self.options["max_filter_rounds"]):
+            rounds += 1
+            want = need - len(groups)
+            k = math.ceil(want * ro.over_sample) if ro.dynamic_filter or ro.over_sample > 1 else want
+            t0 = time.perf_counter()
+            finished = self._generate(self._take(k), stats)
+            stats["time_gen"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self._score([s for g in finished for s in g if s.reward is None])
+            stats["time_reward"] += time.perf_counter() - t0
+            for g in finished:
+                self._count(g, stats)
+                rewards = {round(s.scalar_reward, 9) for s in g if s.status is not Status.FAILED}
+                if ro.dynamic_filter and len(rewards) <= 1:
+                    stats["filtered"] += 1
+                else:
+                    groups.append(g)
+            if not ro.dynamic_filter and not ro.partial_rollout:
+                break
+        if len(groups) > need:
+            self.state.ready.extend(groups[need:])
+            groups = groups[:need]
+        stats["groups"] = len(groups)
+        stats["carried"] = len(self.state.carry)
+        self.state.step += 1
+        self.state.data = {"cursor": self._cursor}
+        return groups, stats
+
+    @staticmethod
+    def _count(group: Group, stats: dict[str, float]) -> None:
+        for s in group:
+            stats["samples"] += 1
+            stats["resp_tokens"] += len(s.response_ids)
+            stats["failed"] += s.status is Status.FAILED
+            stats["truncated"] += s.status is Status.TRUNCATED
+            if s.status is not Status.FAILED:
+                r = s.scalar_reward
+                stats["reward_sum"] += r
+                stats["reward_sq"] += r * r
+                stats["scored"] += 1
+
+    def _generate(self, prompts: list[Any], stats: dict[str, float]) -> list[Group]:
+        """Generate for ``prompts`` (and continue partial rollouts); returns the groups that finished."""
+        ro = self.job.rollout
+        version = self.state.weight_version
+        before = self.engine.tokens_generated
+        if self.generator is not None:
+            out = self.generator(self.engine, prompts, self.sampling, **self.generator_params)
+        else:
+            sp = self.sampling
+            if ro.partial_rollout:
+                chunk = int(self.options["partial_chunk"]) or max(1, ro.max_new_tokens // 2)
+                sp = replace(sp, max_new_tokens=chunk)
+                cont = [s for s in self.state.carry if s.status is Status.ABORTED]
+                if cont:
+                    self.engine.generate([], replace(sp, n=1), samples=cont)
+            out = self.engine.generate([p.ids for p in prompts], sp) if prompts else []
+        for s in out:  # engine-local group index → the prompt's stream position
+            p = prompts[s.group]
+            s.group, s.label, s.prompt_text = p.index, p.label, p.text
+            s.metadata.update(p.metadata)
+            s.weight_version = version
+        for j, s in enumerate(out):
+            s.index = s.group * ro.n_samples + j % ro.n_samples
+        if self.generator is None:  # a generator sets its own text (e.g. with the environment's turns)
+            for s in out:
+                s.response_text = self.tokenizer.decode(s.response_ids)
+        stats["gen_tokens"] += self.engine.tokens_generated - before
+        if not ro.partial_rollout:
+            groups: dict[int, Group] = {}
+            for s in out:
+                groups.setdefault(s.group, []).append(s)
+            return list(groups.values())
+        return self._regroup(self.state.carry + out)
+
+    def _regroup(self, samples: list[Sample]) -> list[Group]:
+        """Partial rollouts: a sample cut at the chunk budget is ABORTED and carried; a group is finished (and
+        leaves the carry) once all its samples are."""
+        cap = self.job.rollout.max_new_tokens
+        for s in samples:
+            if len(s.response_ids) > cap:  # a continuation may overshoot the total budget: cut it back
+                s.response_ids, s.rollout_logprobs = s.response_ids[:cap], s.rollout_logprobs[:cap]
+                s.loss_mask = s.loss_mask[:cap]
+                s.response_text = self.tokenizer.decode(s.response_ids)
+                s.status = Status.TRUNCATED
+            elif s.status is Status.TRUNCATED and len(s.response_ids) < cap:
+                s.status = Status.ABORTED
+            elif s.status is Status.ABORTED and len(s.response_ids) >= cap:
+                s.status = Status.TRUNCATED
+        by_group: dict[int, Group] = {}
+        for s in samples:
+            by_group.setdefault(s.group, []).append(s)
+        finished, carry = [], []
+        for g in by_group.values():
+            if any(s.status is Status.ABORTED for s in g):
+                carry.extend(g)
+            else:
+                finished.append(g)
+        self.state.carry = carry
+        return finished
+
+    def _score(self, samples: list[Sample]) -> None:
+        if samples:
+            self.scorer.score(samples)
+
+    # -- weights --
+    def update_weights(self, named: NamedTensors, version: int) -> None:
+        """Hand received weights to the engine and record their version (a weight sink for ``weights.sync``)."""
+        self.engine.update_weights(named, version)
+        self.state.weight_version = version
+
+    # -- the outbox (separate groups) --
+    def sent(self, batch: int, groups: list[Group], stats: dict[str, float]) -> None:
+        """A batch went to the trainer: keep it until it is trained."""
+        self.outbox.append(SentBatch(batch, groups, stats))
+
+    def trained(self, version: int) -> None:
+        """Weights of ``version`` arrived: the trainer has trained every batch before ``version``."""
+        self.outbox = [o for o in self.outbox if o.batch >= version]
+
+    # -- checkpoint --
+    def state_dict(self) -> dict[str, Any]:
+        """Scalars and the engine's state (its sampling RNG); the samples are in :meth:`sample_buffers`."""
+        return {"loop": self.state.state_dict(), "cursor": self._cursor, "engine": self.engine.state_dict(),
+                "outbox": [(o.batch, o.stats) for o in self.outbox]}
+
+    def sample_buffers(self) -> dict[str, Any]:
+        """The sample buffers of this rank: partial rollouts, over-sampled groups and each outbox batch."""
+        return {**self.state.sample_buffers(), **{f"outbox_{o.batch}": o.groups for o in self.outbox}}
+
+    def load_state_dict(self, state: dict[str, Any], buffers: dict[str, Any]) -> None:
+        self.state.load_state_dict(state["loop"], buffers)
+        self._cursor = int(state["cursor"])
+        if "engine" in state:
+            self.engine.load_state_dict(state["engine"])
+        self.outbox = [SentBatch(b, buffers[f"outbox_{b}"], stats) for b, stats in state.get("outbox", [])]

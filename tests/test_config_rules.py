@@ -1,0 +1,199 @@
+"""The job rules that span several tables (milehpc.config.rules): every rule refuses a job that breaks it in one
+line naming the file and the field, a nearby valid job passes all of them, every rule has a corpus file, and the
+rules run wherever a job is accepted (plan, render, submit, run, submit --resume, submit --sweep)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from test_config_corpus import header
+
+from milehpc.cli import cli
+from milehpc.config import rules
+from milehpc.config.load import job_from_dict, load_job
+from milehpc.errors import ConfigError
+
+CORPUS = Path(__file__).parent / "corpus"
+VALID_JOB = CORPUS / "valid-job.toml"
+FILE = "job.toml"
+
+MODEL = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
+
+# rule name -> (tables of a job that breaks it, tables of a nearby job that passes every rule, field named)
+CASES: dict[str, tuple[dict, dict, str]] = {
+    "trainer_options_fit_the_trainer": (
+        {"trainer": {"options": {"fsdp": "yes"}}},
+        {"trainer": {"options": {"fsdp": True}}}, "trainer.options.fsdp"),
+    "engine_options_fit_the_engine": (
+        {"rollout": {"engine": "sglang", "options": {"weight_bucket_mb": "big"}}},
+        {"rollout": {"engine": "sglang", "options": {"weight_bucket_mb": 256}}}, "rollout.options.weight_bucket_mb"),
+    "generator_params_fit_the_generator": (
+        {"rollout": {"generator": "toy_retry", "generator_params": {"max_turns": "two"}}},
+        {"rollout": {"generator": "toy_retry", "generator_params": {"max_turns": 2}}},
+        "rollout.generator_params.max_turns"),
+    "colocated_runs_sync": (
+        {"resources": {"colocate": True}, "run": {"loop": "one_step_off"}},
+        {"resources": {"colocate": True}, "run": {"loop": "sync"}}, "run.loop"),
+    "stale_samples_need_a_correction": (
+        {"run": {"loop": "async", "stale_policy": "correct"}, "algorithm": {"off_policy_correction": "none"}},
+        {"run": {"loop": "async", "stale_policy": "correct"}, "algorithm": {"off_policy_correction": "tis"}},
+        "run.stale_policy"),
+    "partial_rollouts_need_the_builtin_generation": (
+        {"rollout": {"generator": "toy_retry", "partial_rollout": True}},
+        {"rollout": {"generator": "toy_retry", "partial_rollout": False}}, "rollout.partial_rollout"),
+    "moe_is_built_as_qwen2": (
+        {"model": {"arch": "llama", "num_experts": 4}},
+        {"model": {"arch": "llama", "num_experts": 4, "path": "/ckpt/mixtral"}}, "model.arch"),
+    "torch_trainer_has_no_fp8": (
+        {"trainer": {"precision": "fp8"}, "model": {"dtype": "bfloat16"}},
+        {"trainer": {"precision": "fp8", "backend": "megatron"}, "model": {"dtype": "bfloat16"}},
+        "trainer.precision"),
+    "reduced_precision_needs_bfloat16_weights": (
+        {"trainer": {"precision": "bf16"}, "model": {"dtype": "float32"}},
+        {"trainer": {"precision": "bf16"}, "model": {"dtype": "bfloat16"}}, "model.dtype"),
+    "megatron_has_no_critic_or_teacher": (
+        {"trainer": {"backend": "megatron"}, "algorithm": {"advantage": "gae"}},
+        {"trainer": {"backend": "megatron"}, "algorithm": {"advantage": "grpo"}}, "algorithm.advantage"),
+    "megatron_has_no_kl_reference": (
+        {"trainer": {"backend": "megatron"}, "algorithm": {"kl_coef": 0.01}},
+        {"trainer": {"backend": "torch"}, "algorithm": {"kl_coef": 0.01}}, "algorithm.kl_coef"),
+    "megatron_moe_needs_tp_1": (
+        {"trainer": {"backend": "megatron", "tp": 2}, "model": {"num_experts": 4}},
+        {"trainer": {"backend": "megatron", "tp": 1, "dp": 2, "ep": 2}, "model": {"num_experts": 4}}, "trainer.tp"),
+    "megatron_ep_divides_the_experts": (
+        {"trainer": {"backend": "megatron", "dp": 2, "ep": 2}, "model": {"num_experts": 3}},
+        {"trainer": {"backend": "megatron", "dp": 2, "ep": 2}, "model": {"num_experts": 4}}, "trainer.ep"),
+    "fsdp_trains_the_policy_alone": (
+        {"trainer": {"dp": 2, "options": {"fsdp": True}}, "algorithm": {"kl_coef": 0.1}},
+        {"trainer": {"dp": 1, "options": {"fsdp": True}}, "algorithm": {"kl_coef": 0.1}}, "trainer.options.fsdp"),
+    "distillation_needs_a_teacher": (
+        {"algorithm": {"advantage": "distill"}},
+        {"algorithm": {"advantage": "distill"}, "trainer": {"options": {"teacher_path": "/ckpt/teacher"}}},
+        "trainer.options.teacher_path"),
+    "sglang_stop_strings_need_a_tokenizer": (
+        {"rollout": {"engine": "sglang", "stop": ["\n\n"]}},
+        {"rollout": {"engine": "sglang", "stop": ["\n\n"]}, "model": {"tokenizer": "/ckpt/tokenizer"}},
+        "rollout.stop"),
+    "routing_replay_needs_moe": (
+        {"rollout": {"engine": "sglang", "options": {"return_routed_experts": True}}},
+        {"rollout": {"engine": "sglang", "options": {"return_routed_experts": True}}, "model": {"num_experts": 4}},
+        "rollout.options.return_routed_experts"),
+}
+
+
+def job(tables: dict):
+    data: dict = {"name": "r", "model": dict(MODEL)}
+    for key, value in tables.items():
+        data[key] = {**data.get(key, {}), **value}
+    return job_from_dict(data, file=FILE)
+
+
+RULE_NAMES = [rule.__name__ for rule in rules.RULES]
+
+
+def test_every_rule_has_a_case() -> None:
+    assert sorted(CASES) == sorted(RULE_NAMES), "add a (broken, valid, field) case for each rule in RULES"
+    assert len(set(RULE_NAMES)) == len(RULE_NAMES)
+
+
+@pytest.mark.parametrize("rule", rules.RULES, ids=RULE_NAMES)
+def test_rule_refuses_a_job_that_breaks_it_and_passes_a_nearby_one(rule) -> None:
+    broken, valid, field = CASES[rule.__name__]
+    with pytest.raises(ConfigError) as info:
+        rule(job(broken), FILE)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"{FILE}: {field}: "), msg
+    assert "expected" in msg and "got" in msg, f"say what was expected and what was got: {msg}"
+    # The whole set refuses it too, with that rule's line (no earlier rule hides it).
+    with pytest.raises(ConfigError) as whole:
+        rules.check_job_rules(job(broken), file=FILE)
+    assert str(whole.value) == msg
+    rules.check_job_rules(job(valid), file=FILE)
+
+
+@pytest.mark.parametrize("rule", rules.RULES, ids=RULE_NAMES)
+def test_rule_docstring_names_the_fields_it_crosses(rule) -> None:
+    doc = rule.__doc__ or ""
+    assert len(set(re.findall(r"\b[a-z_]+\.[a-z_.]+\b", doc))) >= 2 or "×" in doc, rule.__name__
+
+
+# ---- every rule has a corpus file, and that file is refused by that rule ----------------------------------------
+
+RULE_CORPUS = {path: header(path) for path in sorted((CORPUS / "jobs").glob("rule-*.toml"))}
+
+
+def test_every_rule_has_a_corpus_file() -> None:
+    named = {name for head in RULE_CORPUS.values() for name in head.get("rule", [])}
+    missing = sorted(set(RULE_NAMES) - named)
+    assert not missing, f"add tests/corpus/jobs/rule-<what>.toml with '# rule: NAME' for: {missing}"
+    unknown = sorted(named - set(RULE_NAMES))
+    assert not unknown, f"corpus files name rules that do not exist: {unknown}"
+    for path, head in RULE_CORPUS.items():
+        assert head.get("rule"), f"{path.name}: a rule-*.toml names its rule ('# rule: NAME')"
+
+
+@pytest.mark.parametrize("path", sorted(RULE_CORPUS), ids=lambda p: p.stem)
+def test_corpus_file_is_refused_by_the_rule_it_names(path: Path) -> None:
+    head = RULE_CORPUS[path]
+    spec = load_job(path, head.get("set", []))
+    by_name = {rule.__name__: rule for rule in rules.RULES}
+    with pytest.raises(ConfigError) as whole:
+        rules.check_job_rules(spec, file=str(path))
+    for name in head["rule"]:
+        with pytest.raises(ConfigError) as info:
+            by_name[name](spec, str(path))
+        assert str(info.value) == str(whole.value) and head["expect"][0] in str(info.value)
+
+
+# ---- the rules run wherever a job is accepted ---------------------------------------------------------------------
+
+ISSUE_EXAMPLES = {
+    "async-correct-none": (["run.loop=async", "run.stale_policy=correct", "algorithm.off_policy_correction=none"],
+                           "run.stale_policy: stale_policy = 'correct'"),
+    "colocate-one-step-off": (["resources.colocate=true", "run.loop=one_step_off", "trainer.dp=1"],
+                              "run.loop: expected 'sync' with resources.colocate = true"),
+}
+
+
+def _one_line(result, expect: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("example", sorted(ISSUE_EXAMPLES))
+@pytest.mark.parametrize("command", ["plan", "render", "submit", "run"])
+def test_every_command_refuses_a_rule_breaking_job(command: str, example: str, tmp_path: Path) -> None:
+    sets, expect = ISSUE_EXAMPLES[example]
+    args = [command, str(VALID_JOB), "--site", "local", *[a for s in sets for a in ("--set", s)]]
+    if command in ("submit", "run"):
+        args += ["--run-dir", str(tmp_path / "run")]
+    if command == "submit":
+        args.append("--dry-run")
+    _one_line(CliRunner().invoke(cli, args), expect)
+    assert not (tmp_path / "run").exists()
+
+
+def test_submit_resume_with_set_runs_the_rules(tmp_path: Path) -> None:
+    from milehpc.render.rundir import prepare, write_run_dir
+
+    rdir = write_run_dir(prepare(str(VALID_JOB), "local", run_dir=str(tmp_path / "run")))
+    before = sorted(p.name for p in rdir.iterdir())
+    sets, expect = ISSUE_EXAMPLES["async-correct-none"]
+    result = CliRunner().invoke(cli, ["submit", "--resume", str(rdir), "--site", "local", "--dry-run",
+                                      *[a for s in sets for a in ("--set", s)]])
+    _one_line(result, expect)
+    assert str(rdir / "job.json") in result.stderr
+    assert sorted(p.name for p in rdir.iterdir()) == before
+
+
+def test_submit_sweep_runs_the_rules_for_every_value(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["submit", str(VALID_JOB), "--site", "local-slurm", "--dry-run",
+                                      "--run-dir", str(tmp_path / "sweep"), "--set", "run.loop=async",
+                                      "--sweep", "run.stale_policy=drop,correct"])
+    _one_line(result, "run.stale_policy: stale_policy = 'correct'")
+    assert not (tmp_path / "sweep").exists()
