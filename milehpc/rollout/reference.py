@@ -204,14 +204,11 @@ def sampling_from_spec(rollout: Any, tokenizer: Any) -> SamplingParams:
 
 
 def build_engine(job: JobSpec, *, device: Any = "cpu", rank: int = 0) -> ReferenceEngine:
-    """The job's model (same seeded init as the trainer) on ``device``, sampling from a stream seeded per rank."""
-    from milehpc import plugins
-    from milehpc.config.schema import check_params
+    """The job's model (same seeded init as the trainer) on ``device``, sampling from a stream seeded per rank.
+    ``rollout.options`` were checked on the login node (:mod:`milehpc.config.rules`)."""
     from milehpc.data.tokenizer import build_tokenizer
     from milehpc.models import build_model
 
-    check_params(plugins.lookup("engine", job.rollout.engine).defaults, job.rollout.options, file=None,
-                 prefix="rollout.options")
     tok = build_tokenizer(job.model.tokenizer)
     model = build_model(job.model, tok.vocab_size, seed=job.run.seed, pad_id=tok.pad_id, eos_id=tok.eos_id)
     return ReferenceEngine(model, tok, device=device, seed=job.run.seed * 100_003 + rank)
