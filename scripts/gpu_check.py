@@ -8,7 +8,7 @@ Run by ``scripts/gpu-check.sh`` (which installs carried wheels first). What it d
 2. one in-process SGLang engine (milehpc's :class:`SGLangEngine`, colocated: ``enable_memory_saver``), the trainer's
    initial weights pushed first (``update_weights_from_tensor``), then ``--steps`` GRPO steps in Miles' order
    (generate → offload rollout → train → offload train → onload weights → update weights → onload KV cache) with
-   :class:`milehpc.runtime.colocate.ColocatedStep`;
+   :class:`milehpc.runtime.offload.ColocatedStep`;
 3. after the last update: the engine's weights read back by name equal the trainer's (bit-exact), and rollout
    logprobs of a fresh generation agree with the trainer's recomputation on the same tokens;
 4. figures: colocated weight-update time and GB/s, GPU memory freed by torch_memory_saver (trainer) and by SGLang's
@@ -106,12 +106,13 @@ def main() -> int:
     import torch
 
     from milehpc.config.precision import resolve_precision
+    from milehpc.config.sglang_options import parse_options
     from milehpc.data.tokenizer import build_tokenizer
     from milehpc.models import hf_config
     from milehpc.rollout import sglang_mapping as sm
     from milehpc.rollout.engine import SamplingParams
     from milehpc.rollout.sglang_engine import SGLangEngine
-    from milehpc.runtime.colocate import ColocatedStep, gpu_used_bytes, torch_memory_saver_backend
+    from milehpc.runtime.offload import ColocatedStep, gpu_used_bytes, torch_memory_saver_backend
     from milehpc.train.torch_trainer import TorchTrainer
 
     ensure_builtin_plugins()
@@ -130,7 +131,7 @@ def main() -> int:
     cfg = hf_config(job.model, tok.vocab_size, pad_id=tok.pad_id, eos_id=tok.eos_id)
     cfg.torch_dtype = "bfloat16"
     (folder / "config.json").write_text(cfg.to_json_string())
-    opts = sm.parse_options(job.rollout.options)
+    opts = parse_options(job.rollout.options)
     layout = sm.EngineLayout(engine=0, engine_rank=0, gpus_per_engine=1, dist_init_addr=None, port=31000)
     server_args = sm.server_args(job, opts, resolve_precision(job), layout, model_path=str(folder),
                                  tokenizer_path=None)

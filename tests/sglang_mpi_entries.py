@@ -18,7 +18,7 @@ def sglang_sync(ctx: Any) -> None:
     before the second, which makes every stage rebuild its update group."""
     import torch
 
-    from milehpc.rollout import sglang_mapping as sm
+    from milehpc.config.sglang_options import parse_options
     from milehpc.rollout.sglang_engine import SGLangEngine
     from milehpc.weights.sglang import sync_weights
 
@@ -26,7 +26,7 @@ def sglang_sync(ctx: Any) -> None:
     engine = None
     if comms.rank in plan.engine_leaders():
         index, engine_rank = plan.engine_of(comms.rank)
-        engine = SGLangEngine(ctx.job, {"model_path": "/m", "tp_size": 1}, sm.parse_options({}), engine=index,
+        engine = SGLangEngine(ctx.job, {"model_path": "/m", "tp_size": 1}, parse_options({}), engine=index,
                               engine_rank=engine_rank, version=-1, engine_factory=SchedulerStandInEngine)
 
     def weights(version: int) -> list[tuple[str, Any]]:

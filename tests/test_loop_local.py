@@ -16,8 +16,9 @@ from milehpc.data.tokenizer import CharTokenizer
 from milehpc.models import build_model
 from milehpc.rollout.reference import ReferenceEngine
 from milehpc.runtime.loop import run_local
+from milehpc.runtime.loop.rollout_metrics import rollout_metrics
 from milehpc.runtime.loop.rollout_side import RolloutSide
-from milehpc.runtime.loop.schedule import deal_groups, required_version, rollout_metrics, sync_versions
+from milehpc.runtime.loop.schedule import deal_groups, required_version, sync_versions
 from milehpc.runtime.loop.state import LoopState
 from milehpc.samples import Sample, Status
 from milehpc.train.torch_trainer import TorchTrainer, lr_factor

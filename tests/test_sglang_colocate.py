@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from milehpc.config.load import job_from_dict
+from milehpc.config.sglang_options import parse_options
 from milehpc.data.tokenizer import build_tokenizer
 from milehpc.errors import RuntimeFailure
 from milehpc.rollout import sglang_mapping as sm
 from milehpc.rollout.engine import SamplingParams
 from milehpc.rollout.sglang_engine import SGLangEngine
-from milehpc.runtime.colocate import ColocatedStep
+from milehpc.runtime.offload import ColocatedStep
 
 MILES_ORDER = [
     "sglang.generate",
@@ -122,7 +123,7 @@ def _build(log):
     from milehpc.train.torch_trainer import TorchTrainer
 
     job = _job()
-    opts = sm.parse_options(job.rollout.options)
+    opts = parse_options(job.rollout.options)
     saver = RecordingMemorySaverStandIn(log)
     engine = SGLangEngine(job, {"model_path": "/m", "tp_size": 1, "enable_memory_saver": True}, opts,
                           colocated=True, engine_factory=lambda **kw: RecordingSGLangEngineStandIn(log, **kw))
@@ -197,7 +198,7 @@ def test_dead_engine_is_reported_and_restarted_in_place():
 def test_reloadable_groups_release_and_rebuild_on_gloo():
     code = textwrap.dedent("""
         import os, torch, torch.distributed as dist
-        from milehpc.runtime.colocate import ReloadableGroups
+        from milehpc.runtime.offload import ReloadableGroups
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1)
         made = []
         def make():
@@ -258,7 +259,7 @@ def test_health_watches_the_engines_child_processes():
         return RecordingSGLangEngineStandIn(log, **kw)
 
     job = _job()
-    engine = SGLangEngine(job, {"model_path": "/m"}, sm.parse_options({}), engine_factory=factory)
+    engine = SGLangEngine(job, {"model_path": "/m"}, parse_options({}), engine_factory=factory)
     try:
         assert engine.health() and children[0].pid in engine._pids
         children[0].kill()
@@ -325,7 +326,7 @@ def test_multi_rank_engine_layout_uses_sglang_nodes():
                                                                                                 bcast=bcast)))
     assert (lay0.engine, lay0.engine_rank, lay1.engine_rank) == (1, 0, 1)
     assert lay0.dist_init_addr == lay1.dist_init_addr and ":" in str(lay0.dist_init_addr)
-    opts = sm.parse_options({})
+    opts = parse_options({})
     from milehpc.config.precision import resolve_precision
 
     args = sm.server_args(job, opts, resolve_precision(job), lay1, model_path="/m", tokenizer_path=None)

@@ -24,6 +24,7 @@ import torch
 
 from milehpc.config.load import job_from_dict
 from milehpc.config.precision import resolve_precision
+from milehpc.config.sglang_options import parse_options
 from milehpc.errors import ConfigError, RuntimeFailure
 from milehpc.rollout import sglang_mapping as sm
 from milehpc.rollout.engine import SamplingParams
@@ -223,7 +224,7 @@ def test_server_args_are_sglang_fields_and_follow_the_spec_standin(tmp_path):
                               "server_args": {"enable_weights_cpu_backup": True}}},
                           "trainer": {"precision": "fp8", "fp8_recipe": "mxfp8", "dp": 2},
                           "resources": {"colocate": True}}, file="job.toml")
-    opts = sm.parse_options(spec.rollout.options, file="job.toml")
+    opts = parse_options(spec.rollout.options, file="job.toml")
     layout = sm.EngineLayout(engine=1, engine_rank=1, gpus_per_engine=2, dist_init_addr="node3:41000", port=30016)
     args = sm.server_args(spec, opts, resolve_precision(spec), layout, model_path="/m", tokenizer_path=None)
     assert set(args) <= SGLANG_SERVER_ARGS_FIELDS
@@ -253,13 +254,13 @@ def test_server_args_are_sglang_fields_and_follow_the_spec_standin(tmp_path):
 ])
 def test_bad_options_give_one_line_naming_the_field(options, field, text):
     with pytest.raises(ConfigError) as info:
-        sm.parse_options(options, file="job.toml")
+        parse_options(options, file="job.toml")
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith(f"job.toml: {field}: ") and text in msg
 
 
 def test_nextn_needs_no_draft_model_and_chain_is_accepted():
-    opts = sm.parse_options({"speculative": {"algorithm": "NEXTN", "num_steps": 2, "num_draft_tokens": 3}})
+    opts = parse_options({"speculative": {"algorithm": "NEXTN", "num_steps": 2, "num_draft_tokens": 3}})
     assert opts.spec.server_args() == {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2,
                                               "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3}
 
@@ -270,13 +271,9 @@ def test_unknown_server_arg_is_rejected_against_the_field_list_standin():
         sm.check_server_args_known({"enable_warp_drive": True}, SGLANG_SERVER_ARGS_FIELDS)
 
 
-def test_routing_replay_needs_an_moe_model():
-    spec = job(rollout={"options": {"return_routed_experts": True}})
-    opts = sm.parse_options(spec.rollout.options)
+def test_a_dense_single_gpu_engine_gets_no_moe_multinode_or_memory_saver_args():
     layout = sm.EngineLayout(0, 0, 1, None, 30000)
-    with pytest.raises(ConfigError, match="MoE"):
-        sm.server_args(spec, opts, resolve_precision(spec), layout, model_path="/m", tokenizer_path=None)
-    plain = sm.server_args(job(), sm.parse_options({}), resolve_precision(job()), layout, model_path="/m",
+    plain = sm.server_args(job(), parse_options({}), resolve_precision(job()), layout, model_path="/m",
                            tokenizer_path=None)
     assert "nnodes" not in plain and "enable_return_routed_experts" not in plain
     assert "enable_memory_saver" not in plain and "mem_fraction_static" not in plain

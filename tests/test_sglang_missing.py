@@ -66,7 +66,7 @@ def test_colocated_sglang_also_needs_torch_memory_saver():
 
 
 def test_memory_saver_and_transformer_engine_entry_points_are_one_line():
-    from milehpc.runtime.colocate import torch_memory_saver_backend
+    from milehpc.runtime.offload import torch_memory_saver_backend
 
     with pytest.raises(PluginError) as info:
         torch_memory_saver_backend()
@@ -104,7 +104,7 @@ def test_cli_run_selecting_the_gpu_stack_is_one_line_exit_2(tmp_path, toml, pack
 
 
 def test_colocated_driver_is_only_for_sglang_and_needs_the_memory_saver():
-    from milehpc.runtime.colocate import for_job
+    from milehpc.runtime.offload import for_job
 
     cpu = job_from_dict({"name": "t", "resources": {"colocate": True}})
     assert for_job(cpu, engine=None) is None  # the reference engine: nothing to offload

@@ -4,7 +4,7 @@ Layout of ``<checkpoint.dir>`` (default ``RUN_DIR/checkpoints``)::
 
     step-00000040/               a complete checkpoint (only complete ones carry this name)
         rank-00000.pt            rank 0's state: {"state": what the loop gave, "rng": python/numpy/torch RNG}
-        rank-00000.h5            rank 0's sample buffers (pending / partial rollouts, async buffer), if any
+        rank-00000.h5            rank 0's sample buffers (partial rollouts, over-sampled groups, outbox), if any
         rank-00001.pt ...        one shard per rank, as trained (never gathered)
         rank-00000.sums.json     each rank's checksums of its own files (merged into the manifest)
         manifest.json            written last: format, step, layout, meta, sha256 + size of every file

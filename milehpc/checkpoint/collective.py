@@ -1,5 +1,6 @@
-"""The two collectives checkpointing needs (a barrier and an integer max), over a single process or a bare mpi4py
-communicator (the job's own timed helpers implement it in ``runtime.loop.checkpointing``); every call has a timeout and says what it waited for."""
+"""The two collectives checkpointing needs (a barrier and an integer max) over a single process or a bare mpi4py
+communicator; the job's own timed helpers implement it in ``runtime.loop.checkpointing``. Every call has a timeout
+and says what it waited for."""
 
 from __future__ import annotations
 

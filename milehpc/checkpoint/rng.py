@@ -1,6 +1,7 @@
 """The process RNG (python, numpy, torch CPU and every CUDA/ROCm device): captured with every checkpoint shard and
-restored once, last, on resume; or derived from (seed, rank, step) where no saved stream exists. The only RNG code:
-engines and trainers keep their own *sampling* or layout-specific generators in their own state."""
+restored once, last, on resume; or derived from (seed, rank, step) where no saved stream exists. The only save and
+restore of the process RNG: engines and trainers keep their own *sampling* or layout-specific generators in their
+own state."""
 
 from __future__ import annotations
 

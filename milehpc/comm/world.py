@@ -49,12 +49,6 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
 
 
-
-
-
-
-
-
 def make_backend(backend: str, store: Any, rank: int, size: int, timeout: float) -> Any:
     """A standalone torch.distributed backend object (not registered as the default group)."""
     import torch.distributed as dist

@@ -193,3 +193,9 @@ def check_params(defaults: dict[str, Any], params: dict[str, Any], *, file: str 
                 raise ConfigError(f"expected {_describe(tp)}, got {_got(value)}", file=file, field=where)
         out[key] = value
     return out
+
+
+def merge_params(defaults: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A plugin's params over its declared defaults, unchecked: for the ranks, where the login node has checked
+    them with :func:`check_params` (milehpc.config.rules)."""
+    return {**defaults, **params}

@@ -1,1 +1,2 @@
-"""Rollout: the Sample (token ids in, token ids out) and the engines that produce them."""
+"""Rollout engines (the ``Engine`` protocol the loop calls; the reference engine on CPU, its supervised
+out-of-process form, SGLang and its pure request/weight mapping) and the router that splits prompts over them."""

@@ -50,16 +50,18 @@ class Engine(Protocol):
         """The engine's current weights by name (for check_weight_update_equal)."""
 
     def health(self) -> bool:
-        """True if the engine can serve; a dead out-of-process engine returns False and may be restarted."""
+        """True if the engine can serve; a dead out-of-process engine returns False and may be restarted. An
+        in-process engine is always healthy."""
 
     def restart(self) -> None:
-        """Restart in place (same weights must then be re-synced by the caller)."""
+        """Restart in place (same weights must then be re-synced by the caller); a no-op in process."""
 
     def release_memory(self) -> None:
-        """Colocated: give the GPU memory back (weights and KV cache) before training."""
+        """Colocated GPU runs: give the GPU memory back (weights and KV cache) before training. May be a no-op
+        (the CPU engines hold nothing worth releasing)."""
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        """Colocated: take the memory back (``["weights"]`` then ``["kv_cache"]``)."""
+        """Colocated GPU runs: take the memory back (``["weights"]`` then ``["kv_cache"]``); may be a no-op."""
 
     def shutdown(self) -> None:
         """Release everything."""

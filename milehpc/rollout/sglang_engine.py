@@ -26,7 +26,7 @@ Weight sync (the trainer is the source):
   call ``update_weights_from_distributed(..., flush_cache=False)`` while the trainer broadcasts each tensor from
   rank 0; after the last bucket the radix cache is flushed once. See :mod:`milehpc.weights.sglang`.
 * **colocated**: ``update_weights_from_tensor`` per bucket (CUDA IPC handles, no copy through NCCL), driven by
-  :mod:`milehpc.runtime.colocate` in Miles' order.
+  :mod:`milehpc.runtime.offload` in Miles' order.
 
 Generation is never interrupted by an update: ``generate`` and the update methods share one lock, so an update
 waits for the running batch (the in-process ``Engine.generate`` is synchronous); :meth:`abort` (thread-safe) cuts a
@@ -48,6 +48,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from milehpc.config.sglang_options import SGLangOptions, parse_options
 from milehpc.errors import ConfigError, RuntimeFailure
 from milehpc.rollout import sglang_mapping as sm
 
@@ -108,7 +109,7 @@ class SGLangEngine:
     ranks the weight bytes go trainer → SGLang schedulers directly, see :mod:`milehpc.weights.sglang`; colocated
     engines take tensors through ``update_weights``). Only the leader (``engine_rank == 0``) generates and updates."""
 
-    def __init__(self, job: Any, server_args: dict[str, Any], opts: sm.SGLangOptions, *, engine: int = 0,
+    def __init__(self, job: Any, server_args: dict[str, Any], opts: SGLangOptions, *, engine: int = 0,
                  engine_rank: int = 0, eos_id: int | None = None, moe_shape: tuple[int, int] | None = None,
                  colocated: bool = False, version: int = 0, engine_factory: Any = None) -> None:
         self.job = job
@@ -382,7 +383,7 @@ def from_context(ctx: Any, *, engine_factory: Any = None) -> SGLangEngine:
     from milehpc.data.tokenizer import build_tokenizer
 
     job = ctx.job
-    opts = sm.parse_options(job.rollout.options)
+    opts = parse_options(job.rollout.options)
     precision = resolve_precision(job)
     tokenizer = build_tokenizer(job.model.tokenizer)
     path, random_init = model_folder(ctx, tokenizer.vocab_size, int(tokenizer.pad_id), int(tokenizer.eos_id))

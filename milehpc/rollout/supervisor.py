@@ -91,7 +91,8 @@ def _worker(read_fd: int, write_fd: int, factory: str) -> None:
 
 
 class ProcessEngine:
-    """An engine living in a child process. ``factory`` ("module:attr") is called there with ``kwargs``."""
+    """An engine living in a child process. ``factory`` ("module:attr") is called there with ``kwargs``. Forwards the
+    engine's calls, not its counters: :class:`EngineSupervisor` (the Engine the loop holds) counts the tokens."""
 
     def __init__(self, factory: str, kwargs: dict[str, Any] | None = None, *, start_timeout: float = 300.0,
                  call_timeout: float = 3600.0) -> None:

@@ -62,3 +62,8 @@ class Sample:
 
 
 Group = list[Sample]  # the samples of one prompt: the unit that rewards, filters and group advantages work on
+
+
+def samples_of(groups: list[Group]) -> list[Sample]:
+    """The samples of ``groups``, in order."""
+    return [s for g in groups for s in g]

@@ -46,13 +46,11 @@ class Trainer(Protocol):
         """Snapshot the policy as the KL reference when RL begins (after any warm-up); no-op without one."""
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """Everything this rank needs to resume bit-exactly (model, optimizer, scheduler, RNG)."""
+        """Everything this rank needs to resume bit-exactly (model, optimizer, scheduler, and RNG that belongs to
+        the trainer's layout, e.g. Megatron's TP-rank streams); the process RNG is the checkpoint's own."""
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Inverse of state_dict_for_checkpoint."""
+        """Inverse of state_dict_for_checkpoint. ``state["resharded"]`` is set when it was written at another rank
+        layout (only for trainers whose plugin says ``can_reshard``). Colocated GPU runs pause the trainer's memory
+        from outside (milehpc.runtime.offload): a trainer needs no offload methods of its own."""
 
-    def offload(self) -> None:
-        """Colocated: move weights/optimizer off the GPU (torch_memory_saver)."""
-
-    def onload(self) -> None:
-        """Colocated: bring them back."""

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from milehpc.builtin.trainers import TORCH_TRAINER_OPTIONS
 from milehpc.samples import Sample
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class TorchTrainer:
         from milehpc.models import build_model
 
         self.job, self.tokenizer = job, tokenizer
-        self.options = {"fsdp": False, "critic_lr": 1e-4, "teacher_path": "", **(options or {})}
+        self.options = {**TORCH_TRAINER_OPTIONS, **(options or {})}
         self.device = torch.device(device)
         self.rank, self.dp_size = _dist()
         self.pad_id = int(tokenizer.pad_id)
@@ -356,21 +357,16 @@ class TorchTrainer:
             if self.ref is not None:
                 self.ref.load_state_dict(state["ref"])
 
-    def offload(self) -> None:
-        """CPU: nothing to move."""
-
-    def onload(self) -> None:
-        """CPU: nothing to move."""
 
 
 def from_context(ctx: RunContext) -> TorchTrainer:
     """Trainer factory (``impl(ctx)``): the job's model on this rank's device, DP over the trainer group."""
     from milehpc import plugins
-    from milehpc.config.schema import check_params
+    from milehpc.config.schema import merge_params
     from milehpc.data.tokenizer import build_tokenizer
 
     job = ctx.job
     spec = plugins.lookup("trainer", job.trainer.backend)
-    options = check_params(spec.defaults, job.trainer.options, file=None, prefix="trainer.options")
+    options = merge_params(spec.defaults, job.trainer.options)  # checked on the login node
     device = ctx.comms.device or "cpu"
     return TorchTrainer(job, build_tokenizer(job.model.tokenizer), device=device, options=options)

@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from milehpc.comm.world import Comms
 
 
-
-
 def join_update_group(store: Any, *, world_size: int, rank: int, group_name: str, backend: str,
                       timeout: float) -> Any:
     """Join an update group built SGLang's way (see the module docstring) on an already-connected ``store``."""
@@ -143,10 +141,10 @@ _SENDERS: dict[int, dict[int, StageSender]] = {}  # per Comms object: this rank'
 def sync_weights(comms: Comms, version: int, *, named_tensors: Any = None, engine: Any = None,
                  bucket_bytes: int = 512 << 20, converter: Any = None, timeout: float | None = None,
                  run_id: str = "milehpc") -> dict[str, float]:
-    """Drop-in for :func:`milehpc.weights.broadcast.sync_weights` when the engine is SGLang on separate ranks
-    (its plugin says ``direct_weight_sync``, see :func:`milehpc.weights.sync.direct_weight_sync`): call on every rank. Stage leaders send ``named_tensors`` (their stage's
-    HF-named weights; a callable gets the stage), engine leaders have SGLang receive them, other ranks return.
-    ``converter`` maps trainer names/layouts to HF ones (as in the runtime's sync); ``timeout`` is the comms'.
+    """Drop-in for :func:`milehpc.weights.sync.sync_weights` when the engine receives the bytes itself (SGLang on
+    separate ranks; :func:`milehpc.weights.sync.direct_weight_sync`): call on every rank. Stage leaders send
+    ``named_tensors`` (their stage's HF-named weights; a callable gets the stage), engine leaders have SGLang receive
+    them, other ranks return. ``converter`` maps trainer names/layouts to HF ones; ``timeout`` is the comms'.
     """
     import time
 

@@ -4,21 +4,15 @@ engine, colocated ranks load the trainer's tensors in place (see ``weights.broad
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from milehpc.weights.broadcast import DEFAULT_BUCKET_BYTES, SyncStats, recv_weights_stream, send_weights
 from milehpc.weights.converters import Converter, NamedTensors, identity
+from milehpc.weights.inplace import WeightSink, load_in_place
 
 if TYPE_CHECKING:
     from milehpc.comm.world import Comms
     from milehpc.config.job import JobSpec
-
-
-class WeightSink(Protocol):
-    """What takes the weights on a rollout rank: an engine, or the loop's rollout side (which records the
-    version)."""
-
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> None: ...
 
 
 def direct_weight_sync(job: JobSpec) -> bool:
@@ -41,8 +35,7 @@ def sync_weights(comms: Comms, version: int, *, named_tensors: NamedTensors | Ca
     if comms.plan.colocated:
         if engine is None or named_tensors is None:
             raise ValueError("colocated weight sync needs both named_tensors and engine on every rank")
-        tensors = named_tensors(0) if callable(named_tensors) else named_tensors
-        engine.update_weights(convert(tensors), version)
+        load_in_place(engine, named_tensors(0) if callable(named_tensors) else named_tensors, version, convert)
         return sent
     for stage in sorted(comms.sync_groups):
         group = comms.sync_groups[stage]

@@ -12,8 +12,9 @@ Layouts (from the plan), one driver each:
 * **local** (one process, no MPI): ``local.run_local``, for tests, notebooks and benchmarks.
 
 The pieces: ``protocol`` (tags, message kinds, the mailbox), ``state`` (what the loop carries across a restart),
-``schedule`` (pure: versions, staleness, dealing, target reward, metrics), ``rollout_side`` and ``trainer_side``
-(one rank's work on each side, used by every driver), ``checkpointing`` (resume and step-boundary checkpoints),
+``schedule`` (pure: versions, staleness, dealing, target reward), ``rollout_side`` and ``trainer_side`` (one rank's
+work on each side, used by every driver), ``rollout_metrics`` (the engines' counters → ``rollout/*`` metrics),
+``checkpointing`` (resume and step-boundary checkpoints),
 ``entry`` (``milehpc.runtime.loop:run``, what ``milehpc launch`` calls).
 """
 

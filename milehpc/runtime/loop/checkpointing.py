@@ -46,13 +46,14 @@ class LoopCheckpoint:
 
     * Colocated and single-process runs: every rank is at the same boundary; one allreduce agrees on
       interval / time / requeue-request / end-of-run checkpoints (:meth:`Checkpointer.at_step_end`).
-    * Separate trainer and rollout groups: the trainer ranks call :meth:`step_done` after each step; rank 0 decides
-      and tells the trainer ranks (broadcast) and the rollout ranks (a ``(CHECKPOINT, {...})`` notice through the
-      loop's mailbox, taken between generations; they call :meth:`on_notice`). A rollout rank may be ahead of the trainer (it generated batches the trainer
-      has not trained yet, still in flight): it keeps every batch it sent in an *outbox* until the trainer has
-      trained it (a weight notice of version v means batches < v were trained); the checkpoint holds the outbox
-      (HDF5), and a resumed rollout rank sends it again before generating anything new. After a resume the
-      trainer pushes its weights once (the engines are rebuilt from the seeded init).
+    * Separate trainer and rollout groups: the trainer ranks call :meth:`step_done` after each step; rank 0
+      decides and tells the trainer ranks (broadcast) and the rollout ranks (a ``(CHECKPOINT, {...})`` notice through
+      the loop's mailbox, taken between generations; they call :meth:`on_notice`). A rollout rank may be ahead of
+      the trainer (it generated batches the trainer has not trained yet, still in flight): it keeps every batch it
+      sent in an *outbox* until the trainer has trained it (a weight notice of version v means batches < v were
+      trained); the checkpoint holds the outbox (HDF5), and a resumed rollout rank sends it again before generating
+      anything new. After a resume the trainer pushes its weights once (the engines are rebuilt from the seeded
+      init).
 
     What each rank writes: ``rank-N.pt`` = {"trainer": TrainerSide.state_dict(), "rollout": RolloutSide
     .state_dict() (scalars, the engine's state, the outbox's batch numbers and stats)} and ``rank-N.h5`` = the
@@ -117,7 +118,8 @@ class LoopCheckpoint:
             trainer.load_state_dict(ts)
         if rollout is not None:
             rs = dict(restored.state["rollout"])
-            rs.setdefault("outbox", restored.state.get("outbox", []))  # where checkpoints of format 1 kept it
+            # Checkpoints written before the loop became a package kept the outbox beside the rollout state.
+            rs.setdefault("outbox", restored.state.get("outbox", []))
             rollout.load_state_dict(rs, restored.samples)
         if "rng" in src:  # last: everything above may have drawn from or set the process RNG
             parts[src["rng"]].apply_rng()

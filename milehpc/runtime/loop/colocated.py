@@ -1,22 +1,24 @@
 """The colocated layout: every rank generates its share, trains on it (DP over all ranks) and loads the new weights
 into its own engine in place. Only the sync loop (one process cannot overlap generation and training; the job rules
 refuse the others on the login node). With SGLang the two halves of a step go through
-:class:`milehpc.runtime.colocate.ColocatedStep` (Miles' offload/onload order around torch_memory_saver)."""
+:class:`milehpc.runtime.offload.ColocatedStep` (Miles' offload/onload order around torch_memory_saver)."""
 
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
 
-from milehpc.runtime.loop import schedule
+from milehpc.runtime.loop.rollout_metrics import merge_rollout_stats, rollout_metrics
 from milehpc.runtime.loop.rollout_side import RolloutSide
 from milehpc.runtime.loop.trainer_side import TrainerSide, world_facts
+from milehpc.samples import samples_of
+from milehpc.weights.sync import sync_weights
 
 if TYPE_CHECKING:
     from milehpc.comm.context import RunContext
     from milehpc.rollout.engine import Engine
-    from milehpc.runtime.colocate import ColocatedStep
     from milehpc.runtime.loop.checkpointing import LoopCheckpoint
+    from milehpc.runtime.offload import ColocatedStep
     from milehpc.train.base import Trainer
 
 
@@ -37,7 +39,7 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
         checkpointing.restore(trainer=side, rollout=rollout)
         if colo is None:
             side.warmup()
-            rollout.update_weights(trainer.export_weights(), trainer.version)
+            sync_weights(comms, trainer.version, named_tensors=trainer.export_weights(), engine=rollout)
         else:
             with colo.train_region():
                 side.warmup()
@@ -53,16 +55,15 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
             metrics: dict[str, float] = {}
             if leader:
                 all_groups = [g for part in gathered for g in part[0]]
-                merged = schedule.merge_rollout_stats([part[1] for part in gathered])
-                metrics = schedule.rollout_metrics(merged)
-                metrics["rollout/gen_tokens"] = merged.get("gen_tokens", 0.0)
+                merged = merge_rollout_stats([part[1] for part in gathered])
+                metrics = rollout_metrics(merged)
             counts = comms.allgather(len(groups), everyone, what=f"step {step} group counts")
             # A rank without data cannot join the gradient all-reduce: then nobody trains this step.
-            samples = schedule.samples_of(groups) if min(counts) > 0 else []
+            samples = samples_of(groups) if min(counts) > 0 else []
             if colo is None:
                 metrics.update(side.train(step, samples))
                 t1 = time.perf_counter()
-                rollout.update_weights(trainer.export_weights(), trainer.version)
+                sync_weights(comms, trainer.version, named_tensors=trainer.export_weights(), engine=rollout)
                 metrics["time/sync"] = time.perf_counter() - t1
             else:
                 metrics.update(colo.train_phase(lambda step=step, samples=samples: side.train(step, samples)))

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from milehpc.comm.context import RunContext
     from milehpc.rollout.engine import Engine
-    from milehpc.runtime.colocate import ColocatedStep
     from milehpc.runtime.loop.checkpointing import LoopCheckpoint
+    from milehpc.runtime.offload import ColocatedStep
     from milehpc.train.base import Trainer
 
 
@@ -30,7 +30,7 @@ def run(ctx: RunContext, *, progress: bool = True, checkpointing: LoopCheckpoint
     if plan.is_rollout(comms.rank):
         engine = plugins.load("engine", job.rollout.engine, file=file, field="rollout.engine")(ctx)
     if plan.colocated and engine is not None:
-        from milehpc.runtime.colocate import for_job
+        from milehpc.runtime.offload import for_job
 
         colo = for_job(job, engine, device=comms.device)  # None for engines with nothing to offload
     if plan.is_trainer(comms.rank):

@@ -9,9 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from milehpc.runtime.loop import schedule
+from milehpc.runtime.loop.rollout_metrics import rollout_metrics
 from milehpc.runtime.loop.rollout_side import RolloutSide
 from milehpc.runtime.loop.trainer_side import TrainerSide
+from milehpc.samples import samples_of
+from milehpc.weights.inplace import load_in_place
 
 if TYPE_CHECKING:
     from milehpc.config.job import JobSpec
@@ -46,19 +48,18 @@ def run_local(job: JobSpec, run_dir: str | Path | None = None, *, progress: bool
         if ckpt is not None:
             ckpt.restore(trainer=side, rollout=rollout)
         side.warmup()
-        rollout.update_weights(trainer.export_weights(), trainer.version)
+        load_in_place(rollout, trainer.export_weights(), trainer.version)
         for step in range(side.state.step, job.run.steps):
             t0 = time.perf_counter()
             groups, stats = rollout.produce()
-            metrics = schedule.rollout_metrics(stats)
+            metrics = rollout_metrics(stats)
             groups, st = side.filter_stale(groups)
             metrics.update(st)
-            metrics.update(side.train(step, schedule.samples_of(groups)))
+            metrics.update(side.train(step, samples_of(groups)))
             t1 = time.perf_counter()
-            rollout.update_weights(trainer.export_weights(), trainer.version)
+            load_in_place(rollout, trainer.export_weights(), trainer.version)
             metrics["time/sync"] = time.perf_counter() - t1
             metrics["time/step"] = time.perf_counter() - t0
-            metrics["rollout/gen_tokens"] = stats["gen_tokens"]
             side.report(step, metrics, groups)
             if on_step is not None:
                 on_step(step, metrics)

@@ -40,7 +40,7 @@ class RolloutSide:
     def __init__(self, job: JobSpec, engine: Engine, *, engine_index: int = 0, num_engines: int = 1,
                  leader: bool = True, file: str | None = None) -> None:
         from milehpc import plugins
-        from milehpc.config.schema import check_params
+        from milehpc.config.schema import merge_params
         from milehpc.data.source import build_source, task_reward_name
         from milehpc.data.tokenizer import build_tokenizer
         from milehpc.rewards.api import RewardRunner
@@ -57,8 +57,7 @@ class RolloutSide:
         self.generator_params: dict[str, Any] = {}
         if ro.generator:
             spec = plugins.lookup("generator", ro.generator, file=file, field="rollout.generator")
-            self.generator_params = check_params(spec.defaults, ro.generator_params, file=file,
-                                                 prefix="rollout.generator_params")
+            self.generator_params = merge_params(spec.defaults, ro.generator_params)  # checked on the login node
             self.generator = plugins.load("generator", ro.generator)
         self.options = {**ROLLOUT_LOOP_OPTIONS, **ro.options}
         self.state = LoopState()

@@ -1,9 +1,8 @@
 """Pure scheduling of the loop: which weights each batch must be generated with, which samples are too stale,
-how whole groups are dealt to DP ranks, when the target reward is reached, and the rollout metrics."""
+how whole groups are dealt to DP ranks, and when the target reward is reached."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from milehpc.samples import Group
@@ -67,36 +66,3 @@ def target_reached(job: JobSpec, history: list[dict[str, float]], metrics: dict[
     recent = [h["rollout/reward_mean"] for h in history[-(window - 1):] if "rollout/reward_mean" in h]
     recent.append(metrics["rollout/reward_mean"])
     return len(recent) >= min(window, job.run.steps) and sum(recent) / len(recent) >= t
-
-
-def merge_rollout_stats(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Sum the engines' raw counters (times take the max: the engines run side by side)."""
-    out: dict[str, float] = {}
-    for p in parts:
-        for k, v in p.items():
-            out[k] = max(out.get(k, 0.0), v) if k.startswith("time") else out.get(k, 0.0) + v
-    return out
-
-
-def rollout_metrics(stats: dict[str, float]) -> dict[str, float]:
-    """Raw counters → the reported ``rollout/*`` metrics."""
-    n = max(stats.get("scored", 0.0), 1.0)
-    mean = stats.get("reward_sum", 0.0) / n
-    var = max(stats.get("reward_sq", 0.0) / n - mean * mean, 0.0)
-    out = {
-        "rollout/reward_mean": mean, "rollout/reward_std": math.sqrt(var),
-        "rollout/response_length": stats.get("resp_tokens", 0.0) / max(stats.get("samples", 0.0), 1.0),
-        "rollout/samples": stats.get("samples", 0.0), "rollout/failed": stats.get("failed", 0.0),
-        "rollout/truncated": stats.get("truncated", 0.0),
-        "rollout/filtered_groups": stats.get("filtered", 0.0), "rollout/carried_samples": stats.get("carried", 0.0),
-        "rollout/groups": stats.get("groups", 0.0), "time/gen": stats.get("time_gen", 0.0),
-        "time/reward": stats.get("time_reward", 0.0),
-    }
-    if stats.get("time_gen", 0.0) > 0:
-        out["perf/gen_tokens_per_s"] = stats.get("gen_tokens", 0.0) / stats["time_gen"]
-    return out
-
-
-def samples_of(groups: list[Group]) -> list:
-    """The samples of ``groups``, in order."""
-    return [s for g in groups for s in g]

@@ -16,7 +16,7 @@ restart a dead engine in place and have it re-synced; while waiting they serve t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from milehpc.runtime.loop.protocol import (
     BATCH,
@@ -59,23 +59,24 @@ class SeparateRollout:
         resumed = self.ckpt.restore(rollout=side)
         # The warmed-up weights (version 0), or after a resume the trainer's restored weights; engines that receive
         # weights directly always start with them (they may have started from random "dummy" weights).
-        if (job.trainer.sft_warmup_steps > 0 or resumed or self.direct) and not self.take_update(block=True):
+        if (job.trainer.sft_warmup_steps > 0 or resumed or self.direct) and not self.take_notice(block=True):
             return
         for sent in list(side.outbox) if resumed else []:
             # Batches generated before the checkpoint that the trainer had not trained yet: send them again.
-            box.send((BATCH, sent.batch, sent.groups, sent.stats), 0, TAG_BATCH, f"batch {sent.batch} to trainer rank 0")
+            box.send((BATCH, sent.batch, sent.groups, sent.stats), 0, TAG_BATCH,
+                     f"batch {sent.batch} to trainer rank 0")
         running = True
         while running:
             b = side.state.step
             # Between generations only: take updates that are due (or, async, any that arrived).
             while running:
                 if b >= job.run.steps:
-                    running = self.take_update(block=True)
+                    running = self.take_notice(block=True)
                     continue
                 if side.state.weight_version < required_version(job, b):
-                    running = self.take_update(block=True)
+                    running = self.take_notice(block=True)
                 elif job.run.loop == "async" and (got := box.poll(0, TAG_NOTICE)) is not None:
-                    running = self.apply(got[0])
+                    running = self.apply_notice(got[0])
                 else:
                     break
             if not running:
@@ -95,7 +96,7 @@ class SeparateRollout:
         box.flush()
 
     # ---- notices ------------------------------------------------------------------------------------------
-    def take_update(self, *, block: bool) -> bool:
+    def take_notice(self, *, block: bool) -> bool:
         """Apply one notice if there is one (or wait for it). Returns False on stop."""
         what = "waiting for new weights from trainer rank 0"
         if block and self.direct:  # serve other engines' re-syncs while waiting (the trainer may be in one)
@@ -107,9 +108,9 @@ class SeparateRollout:
             if got is None:
                 return True
             notice = got[0]
-        return self.apply(notice)
+        return self.apply_notice(notice)
 
-    def apply(self, notice: tuple[str, Any]) -> bool:
+    def apply_notice(self, notice: tuple[str, Any]) -> bool:
         """Act on one notice from trainer rank 0: a checkpoint, a weight sync, or a stop (False)."""
         kind, arg = notice
         if kind == STOP:
@@ -122,7 +123,7 @@ class SeparateRollout:
         if self.direct:  # the bytes go into the engine's schedulers through its own update group
             from milehpc.weights.sglang import sync_weights as direct_sync
 
-            engine: DirectSyncEngine = self.engine  # type: ignore[assignment]
+            engine = cast("DirectSyncEngine", self.engine)
             if engine.is_leader and not engine.health():
                 engine.restart()  # died since the last generation: this sync rebuilds its group and fills it
             direct_sync(self.comms, version, engine=engine)
@@ -138,7 +139,7 @@ class SeparateRollout:
         """Take part in every re-sync the trainer has announced (after some engine restarted). Every sync has the
         same protocol, so it does not matter whether a re-sync or a regular one is taken first. False on stop."""
         while (got := self.box.poll(0, TAG_RESYNC)) is not None:
-            if not self.apply(got[0]):
+            if not self.apply_notice(got[0]):
                 return False
         return True
 
@@ -153,7 +154,7 @@ class SeparateRollout:
         from milehpc.rollout.router import Router, split_prompts
 
         comms, side, ro = self.comms, self.side, self.job.rollout
-        engine: DirectSyncEngine = self.engine  # type: ignore[assignment]
+        engine = cast("DirectSyncEngine", self.engine)
         healthy = engine.health()
         leaders = self.plan.engine_leaders()
         alive = [healthy]

@@ -26,7 +26,9 @@ from milehpc.runtime.loop.protocol import (
     WEIGHTS,
     Mailbox,
 )
+from milehpc.runtime.loop.rollout_metrics import merge_rollout_stats, rollout_metrics
 from milehpc.runtime.loop.trainer_side import TrainerSide, world_facts
+from milehpc.samples import samples_of
 from milehpc.weights.sync import direct_weight_sync
 
 if TYPE_CHECKING:
@@ -68,7 +70,7 @@ class SeparateTrainer:
                 else:
                     groups, metrics = [], {}
                     mine, last = self.take_share(step)
-                metrics.update(side.train(step, schedule.samples_of(mine)))
+                metrics.update(side.train(step, samples_of(mine)))
                 version = side.state.weight_version
                 if not last and version in schedule.sync_versions(job):
                     metrics["time/sync"] = self.push_weights(version)
@@ -115,9 +117,8 @@ class SeparateTrainer:
             groups += g
             parts.append(stats)
         t_wait = time.perf_counter() - t0
-        stats = schedule.merge_rollout_stats(parts)
-        metrics = schedule.rollout_metrics(stats)
-        metrics["rollout/gen_tokens"] = stats.get("gen_tokens", 0.0)
+        stats = merge_rollout_stats(parts)
+        metrics = rollout_metrics(stats)
         metrics["time/wait_batch"] = t_wait
         groups, st = side.filter_stale(groups)
         metrics.update(st)

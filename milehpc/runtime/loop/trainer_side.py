@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from milehpc.runtime.loop import schedule
 from milehpc.runtime.loop.state import LoopState
-from milehpc.samples import Group, Sample
+from milehpc.samples import Group, Sample, samples_of
 
 if TYPE_CHECKING:
     from milehpc.comm.world import Comms
@@ -109,7 +109,7 @@ class TrainerSide:
         if self.job.run.dump_rollouts and self.run_dir is not None and groups:
             from milehpc.samples.dumps import write_rollouts
 
-            write_rollouts(self.run_dir, step, schedule.samples_of(groups),
+            write_rollouts(self.run_dir, step, samples_of(groups),
                            {"trainer_version": self.state.weight_version})
 
     def target_reached(self, metrics: dict[str, float]) -> bool:

@@ -627,11 +627,6 @@ class MegatronTrainer:
             return
         _set_tracker_states(state.get("rng_tracker"))
 
-    def offload(self) -> None:
-        """Colocated runs on GPUs would release memory here (torch_memory_saver); nothing to move on CPU."""
-
-    def onload(self) -> None:
-        """See :meth:`offload`."""
 
 
 class _SftOptimizer:
@@ -659,12 +654,12 @@ def from_context(ctx: RunContext) -> MegatronTrainer:
     import dataclasses
 
     from milehpc import plugins
-    from milehpc.config.schema import check_params
+    from milehpc.config.schema import merge_params
     from milehpc.data.tokenizer import build_tokenizer
 
     job = ctx.job
     spec = plugins.lookup("trainer", job.trainer.backend)
-    options = check_params(spec.defaults, job.trainer.options, file=None, prefix="trainer.options")
+    options = merge_params(spec.defaults, job.trainer.options)  # checked on the login node
     job = dataclasses.replace(job, trainer=dataclasses.replace(job.trainer, options=options))
     tok = build_tokenizer(job.model.tokenizer)
     trainer = MegatronTrainer(job, pad_id=tok.pad_id, vocab_size=tok.vocab_size, eos_id=tok.eos_id)

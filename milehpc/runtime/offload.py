@@ -1,4 +1,5 @@
-"""Colocated mode: rollout engine and trainer share each GPU, taking turns with torch_memory_saver.
+"""Offload and onload when the rollout engine and the trainer share each GPU (colocated), taking turns with
+torch_memory_saver. The colocated loop driver (:mod:`milehpc.runtime.loop.colocated`) calls the two halves of a step.
 
 The order is Miles' (radixark/miles ``train.py``, default ``colocate_memory_peak_device``)::
 
@@ -14,8 +15,8 @@ The order is Miles' (radixark/miles ``train.py``, default ``colocate_memory_peak
   (fzyzcjy/torch_memory_saver ``torch_memory_saver/entrypoint.py``: ``region(tag, enable_cpu_backup)``,
   ``pause(tag)``, ``resume(tag)``; ``hook_mode = "torch"`` needs no LD_PRELOAD in this process, SGLang sets up its
   own schedulers with ``configure_subprocess``).
-* **the update** reads the trainer's weights from a pinned CPU snapshot taken at the end of training (slime's
-  ``TensorBackuper`` idea), uploads them bucket by bucket *outside* any paused region and hands each bucket to the
+* **the update** reads the trainer's weights from a pinned CPU snapshot taken at the end of training
+  (:class:`milehpc.weights.inplace.HostSnapshot`), uploads them *outside* any paused region and hands them to the
   engine (``update_weights_from_tensor``: CUDA IPC handles, no copy through NCCL), so the trainer can be paused
   before the rollout weights come back (the peak never holds both models' optimizer-sized state).
 * **communicators**: NCCL communicators allocate their buffers outside PyTorch's allocator, so pausing a region
@@ -30,15 +31,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from milehpc.errors import missing_dependency
 from milehpc.rollout.sglang_mapping import ONLOAD_AFTER_UPDATE, ONLOAD_BEFORE_UPDATE
+from milehpc.weights.inplace import HostSnapshot
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 TRAIN_TAG = "train"
 T = TypeVar("T")
@@ -149,7 +151,7 @@ class ColocatedStep:
         self.device, self.groups = device, groups
         self.memory_probe, self.clock = memory_probe, clock
         self.train_paused = False
-        self._snapshot: dict[str, torch.Tensor] = {}
+        self._snapshot = HostSnapshot()
         self.report = StepReport()
 
     # ---- the pieces, each recorded ----------------------------------------------------------------
@@ -180,18 +182,8 @@ class ColocatedStep:
             self.train_paused = False
 
     def snapshot(self) -> None:
-        """Pinned CPU copy of the trainer's (engine-named) weights, reused across steps."""
-        import torch
-
-        pin = torch.cuda.is_available()
-        for name, tensor in self.trainer.export_weights():
-            buf = self._snapshot.get(name)
-            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-                buf = self._snapshot[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                                                         pin_memory=pin)
-            buf.copy_(tensor, non_blocking=pin)
-        if pin:
-            torch.cuda.synchronize()
+        """Pinned host copy of the trainer's (engine-named) weights, reused across steps."""
+        self._snapshot.take(self.trainer.export_weights())
 
     def offload_train(self) -> None:
         before = self.memory_probe()
@@ -213,24 +205,19 @@ class ColocatedStep:
     def onload_weights(self) -> None:
         self._timed("onload_weights", lambda: self.engine.resume_memory(list(ONLOAD_BEFORE_UPDATE)))
 
-    def _upload(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The snapshot, one tensor at a time onto the device (fresh memory, outside any paused region)."""
-        for name, buf in self._snapshot.items():
-            self.report.update_bytes += buf.numel() * buf.element_size()
-            yield name, (buf.to(self.device, non_blocking=True) if self.device is not None else buf)
-
     def update_weights(self, version: int) -> None:
-        self.report.update_bytes = 0
+        """The engine takes the snapshot (uploaded tensor by tensor, :class:`~milehpc.weights.inplace.HostSnapshot`)."""
 
         def run() -> None:
             import torch
 
-            self.engine.update_weights(self._upload(), version)
+            self.engine.update_weights(self._snapshot.upload(self.device), version)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()  # the upload buffers: give them back before the KV cache returns
 
         self._timed("update_weights", run)
+        self.report.update_bytes = self._snapshot.uploaded_bytes
 
     def onload_kv(self) -> None:
         self._timed("onload_kv", lambda: self.engine.resume_memory(list(ONLOAD_AFTER_UPDATE)))

@@ -1,0 +1,35 @@
+"""The rollout side's raw counters of a step (summed over the engines) and the ``rollout/*`` metrics reported from
+them; the trainer side's metrics come from the trainer (``train/*``) and the drivers (``time/*``)."""
+
+from __future__ import annotations
+
+import math
+
+
+def merge_rollout_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Sum the engines' raw counters (times take the max: the engines run side by side)."""
+    out: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = max(out.get(k, 0.0), v) if k.startswith("time") else out.get(k, 0.0) + v
+    return out
+
+
+def rollout_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """Raw counters → the reported ``rollout/*`` metrics."""
+    n = max(stats.get("scored", 0.0), 1.0)
+    mean = stats.get("reward_sum", 0.0) / n
+    var = max(stats.get("reward_sq", 0.0) / n - mean * mean, 0.0)
+    out = {
+        "rollout/reward_mean": mean, "rollout/reward_std": math.sqrt(var),
+        "rollout/response_length": stats.get("resp_tokens", 0.0) / max(stats.get("samples", 0.0), 1.0),
+        "rollout/samples": stats.get("samples", 0.0), "rollout/failed": stats.get("failed", 0.0),
+        "rollout/truncated": stats.get("truncated", 0.0),
+        "rollout/filtered_groups": stats.get("filtered", 0.0), "rollout/carried_samples": stats.get("carried", 0.0),
+        "rollout/groups": stats.get("groups", 0.0), "time/gen": stats.get("time_gen", 0.0),
+        "time/reward": stats.get("time_reward", 0.0),
+    }
+    out["rollout/gen_tokens"] = stats.get("gen_tokens", 0.0)
+    if stats.get("time_gen", 0.0) > 0:
+        out["perf/gen_tokens_per_s"] = stats.get("gen_tokens", 0.0) / stats["time_gen"]
+    return out
