@@ -60,12 +60,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     return data
 
 
+def job_label(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """How errors name a job: its file, marked when ``--set`` overrides changed what the file says."""
+    return f"{path} (with --set)" if overrides else str(path)
+
+
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
     """Read, override and validate a job spec."""
-    file = str(path)
     data = apply_overrides(read_toml(path), overrides)
     # An override error names the option, a file error the file; both name the field.
-    return build(JobSpec, data, file=file if not overrides else f"{file} (with --set)")
+    return build(JobSpec, data, file=job_label(path, overrides))
 
 
 def job_from_dict(data: dict[str, Any], file: str = "<job>") -> JobSpec:

@@ -8,6 +8,7 @@ text between engine and trainer; decoding is only for rewards and display.
 from __future__ import annotations
 
 import string
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -88,8 +89,10 @@ class HFTokenizer:
         return list(self.tok.encode(text, add_special_tokens=True))
 
 
+@lru_cache(maxsize=8)
 def build_tokenizer(name: str) -> CharTokenizer | HFTokenizer:
-    """``"toy"`` → the character tokenizer; otherwise a local tokenizer folder."""
+    """``"toy"`` → the character tokenizer; otherwise a local tokenizer folder. One per name and process (they hold
+    no state): the engine, the rollout side and the trainer side of a rank share it instead of loading it thrice."""
     if name == "toy":
         return CharTokenizer()
     return HFTokenizer(name)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from milehpc.config.job import JobSpec
-from milehpc.config.load import load_job, load_site
+from milehpc.config.load import job_label, load_job, load_site
 from milehpc.config.rules import check_job_rules
 from milehpc.config.schema import to_dict
 from milehpc.config.site import Partition, Site
@@ -56,7 +56,7 @@ def prepare(job_file: str, site_name: str, overrides: tuple[str, ...] = (), *, r
     _check_plugins(job, job_file)
     # The rules that span several tables (milehpc.config.rules): here, so submit, render, plan, run, --resume and
     # --sweep all refuse a job that can only fail before it queues.
-    check_job_rules(job, file=f"{job_file} (with --set)" if overrides else job_file)
+    check_job_rules(job, file=job_label(job_file, overrides))
     rdir = Path(run_dir).expanduser().absolute() if run_dir else default_run_dir(job)
     inputs = ScriptInputs(job=job, plan=plan, partition=partition, run_dir=str(rdir),
                           container_argv=container_argv(job, plan, partition, rdir, job_file), job_file=job_file,

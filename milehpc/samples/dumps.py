@@ -46,7 +46,7 @@ def read_rollouts(run_dir: str | Path, step: int) -> tuple[list[Sample], dict[st
     if not path.is_file():
         from milehpc.errors import MilehpcError
 
-        have = sorted(int(p.stem.split("_")[1]) for p in path.parent.glob("step_*.h5")) if path.parent.is_dir() else []
+        have = list_steps(run_dir)
         hint = f"have steps {have[0]}..{have[-1]}" if have else "no rollout dumps in this run"
         raise MilehpcError(f"no rollouts for step {step} ({hint})", file=str(path))
     with h5py.File(path, "r") as f:

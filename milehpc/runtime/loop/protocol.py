@@ -61,19 +61,8 @@ class Mailbox:
 
     def recv(self, src: int, tag: int, what: str, timeout: float | None = None) -> Any:
         """Wait for the next message from ``src`` on ``tag``."""
-        comms = self.comms
-        box: list[Any] = []
-        timeout = comms.timeout if timeout is None else timeout
-
-        def probe() -> bool:
-            msg = comms.ctrl.improbe(src, tag)
-            if msg is not None:
-                box.append(msg.recv())
-            return bool(box)
-
-        comms.poll(probe, timeout, lambda: f"{what}: rank {comms.rank} heard nothing from rank {src} within "
-                                           f"{timeout:.0f} s", lambda: [src])
-        return box[0]
+        return self._until(lambda: self.poll(src, tag), timeout, f"{what}: rank {self.comms.rank} heard nothing "
+                           f"from rank {src}", [src])
 
     def poll(self, src: int, tag: int) -> tuple[Any] | None:
         """The next message from ``src`` on ``tag`` as a 1-tuple, or None when there is none yet."""
@@ -82,7 +71,14 @@ class Mailbox:
 
     def wait(self, probe: Callable[[], tuple[Any] | None], what: str, peers: list[int]) -> Any:
         """Wait (with the deadline) until ``probe()`` returns a 1-tuple; its value."""
+        return self._until(probe, None, f"{what}: rank {self.comms.rank} heard nothing", peers)
+
+    def _until(self, probe: Callable[[], tuple[Any] | None], timeout: float | None, silence: str,
+               peers: list[int]) -> Any:
+        """Poll ``probe`` until it returns a 1-tuple (its value), or fail after ``timeout`` (default: the comms')
+        with ``silence`` and the seconds waited, naming ``peers``."""
         comms = self.comms
+        timeout = comms.timeout if timeout is None else timeout
         box: list[Any] = []
 
         def done() -> bool:
@@ -91,6 +87,5 @@ class Mailbox:
                 box.append(got[0])
             return bool(box)
 
-        comms.poll(done, comms.timeout, lambda: f"{what}: rank {comms.rank} heard nothing within "
-                                                f"{comms.timeout:.0f} s", lambda: peers)
+        comms.poll(done, timeout, lambda: f"{silence} within {timeout:.0f} s", lambda: peers)
         return box[0]

@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import math
 
+COUNTERS = ("reward_sum", "reward_sq", "scored", "samples", "failed", "truncated", "filtered", "carried",
+            "resp_tokens", "gen_tokens", "groups", "time_gen", "time_reward")
+
+
+def new_stats() -> dict[str, float]:
+    """One engine's raw counters of a step, all zero (the rollout side fills them)."""
+    return dict.fromkeys(COUNTERS, 0.0)
+
 
 def merge_rollout_stats(parts: list[dict[str, float]]) -> dict[str, float]:
     """Sum the engines' raw counters (times take the max: the engines run side by side)."""

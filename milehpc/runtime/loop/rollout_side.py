@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from milehpc.config.job import ROLLOUT_LOOP_OPTIONS
+from milehpc.runtime.loop.rollout_metrics import new_stats
 from milehpc.runtime.loop.state import LoopState
 from milehpc.samples import Group, Sample, Status
 
@@ -20,9 +21,6 @@ if TYPE_CHECKING:
     from milehpc.config.job import JobSpec
     from milehpc.rollout.engine import Engine
     from milehpc.weights.converters import NamedTensors
-
-_COUNTERS = ("reward_sum", "reward_sq", "scored", "samples", "failed", "truncated", "filtered", "carried",
-             "resp_tokens", "gen_tokens", "groups", "time_gen", "time_reward")
 
 
 @dataclass
@@ -76,7 +74,7 @@ class RolloutSide:
     def produce(self) -> tuple[list[Group], dict[str, float]]:
         """Groups for the next step (scored, filtered) and raw counters for the metrics."""
         ro = self.job.rollout
-        stats = dict.fromkeys(_COUNTERS, 0.0)
+        stats = new_stats()
         need = self.quota
         groups, self.state.ready = self.state.ready[:need], self.state.ready[need:]
         rounds = 0
