@@ -5,7 +5,7 @@ where it stopped. Nothing may be counted twice or lost.
 
 Slurm sends the warning signal up to one slurmctld time-limit pass (30 s) before ``limit - lead``, so with a
 60 s limit and a 20 s lead it arrives 10-40 s into the run. A requeued job is held until cred_expire + 1 s; the test
-releases it at once (``scontrol update StartTime=now``) to stay short."""
+releases it early (``scontrol update StartTime=now``, see harness.wait_for) to stay short."""
 
 from __future__ import annotations
 

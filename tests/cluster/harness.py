@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/required.py, also when this file is imported on its own
+from required import unavailable  # noqa: E402
+
 REPO = HERE.parent.parent
 SLURM_SH = HERE / "slurm.sh"
 CLUSTER_DIR = os.environ.get("MILEHPC_CLUSTER_DIR", "/tmp/milehpc-cluster")
@@ -40,10 +41,11 @@ def _start() -> tuple[bool, str]:
 
 
 def ensure_cluster() -> str:
-    """Start the cluster if needed; skip (with the reason) only when it cannot start. Returns SLURM_CONF."""
+    """Start the cluster if needed; skip (with the reason; a failure under MILEHPC_REQUIRE_ALL=1) only when it
+    cannot start. Returns SLURM_CONF."""
     ok, why = _start()
     if not ok:
-        pytest.skip(f"test Slurm cluster unavailable: {why}")
+        unavailable(f"test Slurm cluster unavailable: {why}")
     os.environ["SLURM_CONF"] = SLURM_CONF
     return SLURM_CONF
 
@@ -112,6 +114,7 @@ def wait_for(job_id: str, *, timeout: float = 120, release_holds: bool = False, 
 
     deadline = time.monotonic() + timeout
     seen: list[str] = []
+    gone_at: dict[str, float] = {}  # job id -> wall time its previous run's step daemons were first seen gone
     while time.monotonic() < deadline:
         sts = query([job_id])[job_id]
         seen.append(" ".join(f"{s.job_id}:{s.state}:{s.reason}" for s in sts))
@@ -121,9 +124,18 @@ def wait_for(job_id: str, *, timeout: float = 120, release_holds: bool = False, 
             return sts
         if release_holds:
             for s in sts:
-                # Release only once the previous run's step daemons are gone: Slurm's hold exists so that the
-                # restarted step does not meet the old one's PMIx socket (then srun fails, and exits 0).
-                if s.state == "PENDING" and "BeginTime" in s.reason and not _stepds(s.job_id):
+                if s.state != "PENDING" or "BeginTime" not in s.reason:
+                    continue
+                # Slurm's hold (cred_expire + 1 s) exists for two reasons, and an early release must respect both:
+                # the previous run's step daemons must be gone (else the new step meets the old PMIx socket, srun
+                # fails and exits 0), and slurmd refuses a launch credential created in the same second as the
+                # old one's revocation ("Job N already killed, do not launch batch job": ctime <= revoked, both in
+                # whole seconds), so the release waits for the next whole second after the daemons went.
+                if _stepds(s.job_id):
+                    gone_at.pop(s.job_id, None)
+                    continue
+                gone = gone_at.setdefault(s.job_id, time.time())
+                if time.time() >= int(gone) + 1.2:
                     subprocess.run(["scontrol", "update", f"JobId={s.job_id}", "StartTime=now"],
                                    capture_output=True, timeout=30)
         time.sleep(poll)
