@@ -36,6 +36,8 @@ set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH
                           help="override a job-spec value (TOML syntax, validated like the file); repeatable")
 run_dir_option = click.option("--run-dir", metavar="DIR", help="run directory (default: run.run_dir or runs/NAME-TIME)")
 json_option = click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+force_option = click.option("--force", is_flag=True, help="accept a layout the memory estimate says cannot fit "
+                            "its devices (see `milehpc plan`)")
 
 
 def _site(name: str | None) -> str:
@@ -72,9 +74,10 @@ def cli() -> None:
 @click.option("--resume", "resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
 @click.option("--after", metavar="JOBID", help="start after job JOBID ends (a Slurm dependency afterany)")
 @click.option("--sweep", metavar="KEY=V1,V2,...", help="one run per value, as a Slurm job array")
+@force_option
 @json_option
 def submit(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir: str | None, dry_run: bool,
-           resume: str | None, after: str | None, sweep: str | None, as_json: bool) -> None:
+           resume: str | None, after: str | None, sweep: str | None, force: bool, as_json: bool) -> None:
     """Validate JOB.toml for a site, write the run directory, and submit it (sbatch, or locally in the background).
 
     \b
@@ -90,7 +93,7 @@ def submit(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir:
         raise MilehpcError("expected a JOB.toml (or --resume RUN_DIR)", field="submit")
 
     result = submitting.submit(job_file, _site(site), overrides, run_dir=run_dir, dry_run=dry_run, resume=resume,
-                               after=after, sweep=sweep)
+                               after=after, sweep=sweep, force=force)
     if dry_run and not as_json:
         click.echo(result["script"], nl=False)
         return
@@ -140,9 +143,11 @@ def render(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir:
 @site_option
 @set_option
 @click.option("--ranks", is_flag=True, help="also list every rank (small jobs)")
+@force_option
 @json_option
-def plan(job_file: str, site: str | None, overrides: tuple[str, ...], ranks: bool, as_json: bool) -> None:
-    """Show the rank layout: roles, nodes, GPUs, TP/PP/DP, engines, weight-sync groups.
+def plan(job_file: str, site: str | None, overrides: tuple[str, ...], ranks: bool, force: bool, as_json: bool) -> None:
+    """Show the rank layout (roles, nodes, GPUs, TP/PP/DP, engines, weight-sync groups) and the memory each rank
+    needs against its device; exit code 2 when a rank cannot fit (after printing the table), unless --force.
 
     \b
     Examples:
@@ -151,20 +156,33 @@ def plan(job_file: str, site: str | None, overrides: tuple[str, ...], ranks: boo
     """
     from dataclasses import asdict
 
+    from milehpc import memory
+    from milehpc.config.load import job_label
     from milehpc.render.rundir import prepare
 
     prep = prepare(job_file, _site(site), overrides, run_dir="/nonexistent/plan-only")
     layout = prep.plan
+    est = memory.for_job(prep.job, layout, prep.partition, file=None, force=True)
     if as_json:
         data: dict[str, Any] = {"plan": layout.to_dict(), "summary": layout.summary(),
+                                "memory": [dict(zip(("rank", "item", "size", "note"), row, strict=True))
+                                           for row in memory.table_rows(est)],
                                 "weight_sync_groups": [{**g, "ranks": f"{g['ranks'][0]},{g['ranks'][1]}-{g['ranks'][-1]}"}
                                                        for g in layout.weight_sync_groups()]}
         if ranks:
             data["ranks"] = [asdict(layout.info(r)) for r in range(layout.world_size)]
         _emit(data)
-        return
+    else:
+        _print_plan(layout, est, ranks)
+    if not force:  # after the table: the one line says what to change
+        memory.for_job(prep.job, layout, prep.partition, file=job_label(job_file, overrides))
+
+
+def _print_plan(layout: Any, est: Any, ranks: bool) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from milehpc.memory import table_rows
 
     console = Console()
     summary = Table(title=f"{layout.job_name} on {layout.site}/{layout.partition}", show_header=False)
@@ -179,6 +197,12 @@ def plan(job_file: str, site: str | None, overrides: tuple[str, ...], ranks: boo
                             (i.rank, i.role, i.node, i.local_rank, ",".join(map(str, i.gpus)) or "-", i.tp, i.pp,
                              i.dp, i.engine)))
         console.print(table)
+    mem = Table("rank", "item", "size", "how", title="memory per rank (milehpc.memory)")
+    for row in table_rows(est):
+        mem.add_row(*row)
+    console.print(mem)
+    for note in est.notes:
+        console.print(f"note: {note}", highlight=False, markup=False)
 
 
 @cli.group(context_settings=CONTEXT)
@@ -234,19 +258,25 @@ def sites_show(name: str, as_json: bool) -> None:
         default = " (default)" if pname == site.default_partition else ""
         dev = part.devices
         click.echo(f"  partition {pname}{default}: {part.scheduler}, {part.launcher.kind}, "
-                   f"{dev.count} x {dev.vendor} {dev.arch} per node, {part.slots_per_node} ranks/node, "
+                   f"{dev.count} x {dev.vendor} {dev.arch}"
+                   + (f" ({dev.memory_gib:g} GiB)" if dev.memory_gib else "")
+                   + f" per node, {part.slots_per_node} ranks/node, "
                    f"max {part.max_nodes} nodes, time limit {part.time_limit}")
 
 
-@cli.command(context_settings=CONTEXT)
+@cli.group(context_settings=CONTEXT, invoke_without_command=True)
 @json_option
-def plugins(as_json: bool) -> None:
+@click.pass_context
+def plugins(ctx: click.Context, as_json: bool) -> None:
     """List every loaded plugin: what it registers, from which distribution and version.
 
     \b
-    Example:
+    Examples:
       milehpc plugins --json
+      milehpc plugins show sort          # the parameters a plugin takes
     """
+    if ctx.invoked_subcommand is not None:
+        return
     from milehpc import plugins as registry
     from milehpc.plugin_types import KINDS
 
@@ -267,6 +297,36 @@ def plugins(as_json: bool) -> None:
         click.echo(f"{plugin_name}  [{info['distribution']}]")
         for kind, names in sorted(info["registers"].items()):
             click.echo(f"    {kind}: {', '.join(sorted(names))}")
+
+
+@plugins.command("show", context_settings=CONTEXT)
+@click.argument("name", metavar="[KIND:]NAME")
+@json_option
+def plugins_show(name: str, as_json: bool) -> None:
+    """Show the parameters a plugin takes: type, default, range, help (its declared schema).
+
+    \b
+    Examples:
+      milehpc plugins show sort
+      milehpc plugins show reward:math_answer --json
+    """
+    from milehpc.config.schema import schema_rows
+    from milehpc.plugins import find_named
+
+    found = find_named(name)
+    if as_json:
+        _emit([{"kind": kind, "name": entry.spec.name, "description": entry.spec.description,
+                "parameters": schema_rows(entry.spec)} for kind, entry in found])
+        return
+    for kind, entry in found:
+        click.echo(f"{kind} {entry.spec.name}  [{entry.distribution}]  {entry.spec.description}")
+        rows = schema_rows(entry.spec)
+        if not rows:
+            click.echo("    (no parameters)")
+        for row in rows:
+            limits = f"; {row['range']}" if row["range"] else ""
+            click.echo(f"    {row['name']}: {row['type']} = {row['default']}{limits}"
+                       + (f"  {row['help']}" if row["help"] else ""))
 
 
 @cli.command(context_settings=CONTEXT)
@@ -378,6 +438,23 @@ def cancel(job_id: str) -> None:
     from milehpc.scheduler import lifecycle
 
     click.echo(lifecycle.cancel(job_id))
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("target", metavar="JOBID|RUN_DIR")
+def stop(target: str) -> None:
+    """Checkpoint and end a running job without a requeue (a pending job is cancelled); resume it later.
+
+    \b
+    Examples:
+      milehpc stop 1234
+      milehpc stop runs/demo-20250101-1200
+      milehpc submit --resume runs/demo-20250101-1200     # later: continue from that checkpoint
+    """
+    from milehpc.scheduler.stop import stop as stop_job
+
+    for line in stop_job(target):
+        click.echo(line)
 
 
 @cli.command(context_settings=CONTEXT)

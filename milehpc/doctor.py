@@ -143,7 +143,34 @@ class Doctor:
         self.check_network(part)
         self.check_modules(part)
         self.check_container(part, job)
+        if job is not None:
+            self.check_memory(job, site, part, part_name)
         return self.findings
+
+    def check_memory(self, job: Any, site: Any, part: Any, part_name: str) -> None:
+        """The memory estimate (milehpc.memory) of the job's largest rank against the partition's devices."""
+        from milehpc import memory
+        from milehpc.plan import make_plan
+
+        try:
+            plan = make_plan(job, part, site=site.name, partition_name=part_name, file=self.job_file)
+            est = memory.for_job(job, plan, part, file=self.job_file, force=True)
+        except MilehpcError as err:
+            self.add("memory", FAIL, str(err))
+            return
+        for rank in est.ranks:
+            big = rank.largest()
+            what = f"{rank.role} rank: {memory.size(rank.total)} estimated (largest: {big.name} {memory.size(big.bytes)})"
+            if rank.budget is None and part.devices.vendor == "none":
+                self.add("memory", OK, f"{what}; CPU partition: host memory is not checked")
+            elif rank.budget is None:
+                self.add("memory", WARN, f"{what}; the site does not say its device memory (devices.memory_gib)")
+            elif not rank.fits:
+                self.add("memory", FAIL, f"{what} > {rank.budget / memory.GIB:.1f} GiB ({rank.budget_note}); "
+                         + memory.suggestion(job, plan, part, rank.role, **memory.estimator_needs(job)))
+            else:
+                level = WARN if rank.total > memory.TIGHT * rank.budget else OK
+                self.add("memory", level, f"{what} of {rank.budget / memory.GIB:.1f} GiB ({rank.budget_note})")
 
     def check_slurm(self, part: Any) -> None:
         missing = [t for t in ("sbatch", "srun", "squeue", "scontrol") if not shutil.which(t)]

@@ -20,6 +20,7 @@ from milehpc.plugin_types import (
     PolicyLoss,
     RewardFunction,
     RolloutEngine,
+    SandboxBackend,
     SiteConfig,
     Task,
     Trainer,
@@ -64,12 +65,24 @@ def milehpc_container_runtimes() -> Iterable[ContainerRuntime]:
 def milehpc_rewards() -> Iterable[RewardFunction]:
     """Register reward functions, selected by ``[reward] name`` in the job spec.
 
+    A reward's parameters (``[reward] params``) are declared as a ``schema`` dataclass of ``opt`` fields, checked on
+    the login node and printed by ``milehpc plugins show NAME`` (every kind below takes one the same way).
+
     Example (the reward plugin in ``plugins/milehpc-reward-example``)::
+
+        from dataclasses import dataclass
+
+        from milehpc.config.schema import opt
+
+        @dataclass
+        class LengthTargetParams:
+            target: int = opt(8, min=0, help="response length (tokens) that scores 1")
+            width: int = opt(8, min=1, help="tokens away from target at which the score reaches 0")
 
         @hookimpl
         def milehpc_rewards():
             yield RewardFunction(name="length_target", impl="milehpc_reward_example.rewards:length_target",
-                                 defaults={"target": 8, "width": 8})
+                                 schema=LengthTargetParams)
     """
 
 
@@ -162,6 +175,20 @@ def milehpc_generators() -> Iterable[Generator]:
         def milehpc_generators():
             yield Generator(name="toy_retry", impl="milehpc.rollout.multiturn:retry_generator",
                             defaults={"max_turns": 2})
+    """
+
+
+@hookspec
+def milehpc_sandboxes() -> Iterable[SandboxBackend]:
+    """Register sandboxes for model-written programs, selected by the site's ``[partitions.NAME.sandbox] backend``
+    or the job's ``[sandbox] backend``. ``impl(**params)`` builds one (see :class:`milehpc.sandbox.Sandbox`).
+
+    Example::
+
+        @hookimpl
+        def milehpc_sandboxes():
+            yield SandboxBackend(name="bubblewrap", impl="milehpc.sandbox.bubblewrap:Bubblewrap",
+                                 defaults={"bwrap": "bwrap", "python": "python3", "uid": 65534})
     """
 
 

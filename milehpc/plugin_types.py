@@ -1,13 +1,19 @@
 """What plugins register: small, import-light dataclasses yielded by the ``milehpc_*`` register hooks.
 
 Implementations are referenced lazily: ``impl`` is either a callable or a ``"module:attribute"`` string, so
-that listing plugins on a login node never imports torch or an engine. ``defaults`` name every parameter a
-plugin accepts with its default value; the job spec's params are validated against them (unknown key or a
-value of another type is an error).
+that listing plugins on a login node never imports torch or an engine.
+
+A plugin that takes parameters declares them in ``schema``: a dataclass whose fields are made with
+:func:`milehpc.config.schema.opt` (type hint, default, ``min``/``max``/``pattern``, ``help``; an optional
+``validate(*, file, prefix)`` for checks across parameters), exactly like a table of the job spec. The login node
+validates the job's params against it (``submit``/``plan``/``render``/``run``, one-line errors) and
+``milehpc plugins show NAME`` prints it. ``defaults`` (every parameter and its default) is derived from the schema;
+a plugin without a schema may still give ``defaults`` alone, and then each default's type is its parameter's type.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,9 +43,31 @@ class Registered:
     defaults: dict[str, Any] = field(default_factory=dict)
     # Python packages the implementation needs (checked before loading, one clear line if missing).
     requires: tuple[str, ...] = ()
+    # The parameters' declared schema (a dataclass of ``opt`` fields, see the module doc); None = ``defaults`` only.
+    schema: type | None = None
+
+    def __post_init__(self) -> None:
+        if self.schema is not None:
+            if not dataclasses.is_dataclass(self.schema):
+                raise TypeError(f"{self.name}: schema must be a dataclass, got {self.schema!r}")
+            # One truth: the defaults the ranks merge are the schema's own.
+            object.__setattr__(self, "defaults", schema_defaults(self.schema))
 
     def load(self) -> Any:
         return load_ref(self.impl)
+
+
+def schema_defaults(schema: type) -> dict[str, Any]:
+    """Every init field of a schema dataclass with its default (a required field has none and is left out)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(schema):
+        if not f.init:
+            continue
+        if f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+    return out
 
 
 @dataclass(frozen=True)
@@ -123,6 +151,15 @@ class Generator(Registered):
     """Custom generation (multi-turn / agentic): ``impl(engine, prompts, sampling, **params) -> list[Sample]``."""
 
 
+@dataclass(frozen=True)
+class SandboxBackend(Registered):
+    """A sandbox for untrusted programs (model-written code): ``impl(**params)`` returns an object with the
+    :class:`milehpc.sandbox.Sandbox` interface. ``contained = False`` (the ``none`` backend) is built only when the job
+    says ``[sandbox] allow_unsandboxed = true``."""
+
+    contained: bool = True
+
+
 KINDS: dict[str, tuple[str, type]] = {
     # kind -> (hook name, dataclass)
     "site": ("milehpc_sites", SiteConfig),
@@ -135,4 +172,5 @@ KINDS: dict[str, tuple[str, type]] = {
     "converter": ("milehpc_weight_converters", WeightConverter),
     "task": ("milehpc_tasks", Task),
     "generator": ("milehpc_generators", Generator),
+    "sandbox": ("milehpc_sandboxes", SandboxBackend),
 }

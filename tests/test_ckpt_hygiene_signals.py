@@ -145,6 +145,7 @@ def test_render_uses_the_same_contract() -> None:
     from milehpc.render import script
 
     assert script.REQUEST_FILE == signals.REQUEST_FILE and script.EXIT_REQUEUE == signals.EXIT_REQUEUE
+    assert script.STOP_FILE == signals.STOP_FILE
 
 
 def test_a_secret_value_in_the_job_file_is_refused_in_one_line() -> None:

@@ -3,6 +3,7 @@ random steps, resumed, and ends with parameters bitwise equal to an uninterrupte
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -87,10 +88,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
 @pytest.mark.slow
 @pytest.mark.parametrize("interruptions", [1, 2])
 def test_interrupted_sync_loop_ends_bitwise_equal(tmp_path: Path, reference: dict[str, torch.Tensor],
-                                                  interruptions: int) -> None:
+                                                  interruptions: int, capsys: pytest.CaptureFixture[str]) -> None:
     stops = sorted(random.Random(interruptions * 7919 + os.getpid()).sample(range(1, STEPS), interruptions))
     runs = _run_interrupted(tmp_path, list(stops))
     assert runs == interruptions + 1, stops
+    out = capsys.readouterr().out
+    # every later run resumed from the step the previous one checkpointed (not a rerun from step 0)
+    assert out.count("milehpc: resumed from") == interruptions, out
+    for stop in stops:
+        assert f"(step {stop}, restart 0)" in out, (stop, out)
+    records = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records == list(range(STEPS))  # new steps ran after each resume, each logged once
     got = _final_params(tmp_path)
     assert got.keys() == reference.keys()
     different = [k for k in got if not torch.equal(got[k], reference[k])]
@@ -115,3 +123,24 @@ def _plan_stub():
 
     return SimpleNamespace(world_size=1, trainer_ranks=1, tp=1, pp=1, dp=1, ep=1, rollout_ranks=1, engines=1,
                            gpus_per_engine=1, colocated=True)
+
+
+@pytest.mark.slow
+def test_a_target_reward_stop_leaves_a_final_checkpoint_that_resume_continues(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    window = 10  # schedule.TARGET_WINDOW: the mean of the last 10 steps must reach the target
+    job = build(JobSpec, {**TINY, "run": {**TINY["run"], "steps": 14, "target_reward": 0.0}})
+    history = run_local(job, tmp_path, checkpointing=True)
+    assert len(history) == window  # reached (every mean is >= 0) as soon as the window is full
+    [final] = [c for c in list_checkpoints(tmp_path / "checkpoints") if c.step == window]
+    assert {"rank-00000.pt", "rank-00000.h5"} <= set(final.manifest["files"])
+    assert final.manifest["meta"]["steps_done"] == window
+
+    # The user raises the target (here: none) and resumes: the run continues from the final checkpoint.
+    more = build(JobSpec, {**TINY, "run": {**TINY["run"], "steps": 14}})
+    capsys.readouterr()
+    history = run_local(more, tmp_path, checkpointing=True)
+    assert f"(step {window}, restart 0)" in capsys.readouterr().out
+    assert [h["step"] for h in history if "train/loss" in h] == list(range(window, 14))
+    records = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records == list(range(14))

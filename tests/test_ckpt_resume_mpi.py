@@ -1,7 +1,13 @@
-"""The real job: the rendered local job script runs `mpirun -np 2 milehpc launch` (1 trainer + 1 rollout rank,
-sync loop). SIGUSR1 to the job script at a random step → checkpoint request file → both ranks checkpoint after the
-same step and exit 75 → the script exits 75. Running the same script again resumes, and the final parameters
-and optimizer state are bitwise equal to an uninterrupted run of the same job."""
+"""The real job, every loop mode: the rendered local job script runs `mpirun -np 2 milehpc launch`. A signal to the
+job script (USR1 as Slurm's wall-time warning, TERM as a preemption) at a random step → checkpoint request file →
+both ranks checkpoint after the same step and exit 75 → the script exits 75. Running the same script again resumes
+(1-3 times per run). The final parameters and optimizer state are bitwise equal to an uninterrupted run of the same
+job, each resume started from the step its checkpoint holds, and every step has exactly one metrics record.
+
+What makes the separate layouts exact (see the README's "Resume" section): the rollout rank runs ahead of the
+trainer; its checkpoint holds the batches it sent that are not trained yet (resent on resume), its partial
+rollouts and over-sampled groups, its engine's RNG and the weight version it holds; the trainer gives the rebuilt
+engine exactly that version back (with ``update_weights_interval > 1`` an older one than its own, kept for that)."""
 
 from __future__ import annotations
 
@@ -17,62 +23,117 @@ from ckpt_helpers import differences, final_state, job_toml, prepare_local, star
 
 from milehpc.checkpoint import resume_run_dir
 from milehpc.runtime import signals
+from milehpc.runtime.loop.schedule import required_version
+from milehpc.runtime.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
-STEPS = 16
+STEPS = 12
+
+CASES = {
+    # 1 trainer + 1 rollout rank, generating with the weights after step k-1
+    "separate-sync": {},
+    # the rollout rank generates batch k+1 while step k trains: a sent, untrained batch is in every checkpoint
+    "separate-one_step_off": {"run": 'loop = "one_step_off"'},
+    # weights reach the engine every 3rd step: between syncs the engine holds older weights than the trainer
+    "separate-one_step_off-interval3": {"run": 'loop = "one_step_off"\nupdate_weights_interval = 3'},
+    # up to 2 batches ahead, each with exactly the version 2 steps back (async_weights = "scheduled")
+    "separate-async": {"run": 'loop = "async"\nmax_staleness = 2\nasync_weights = "scheduled"',
+                       "rollout": "partial_rollout = false"},
+    # the same with partial rollouts (samples continued over batches keep their stale first chunk: corrected)
+    "separate-async-partial": {"run": 'loop = "async"\nmax_staleness = 2\nasync_weights = "scheduled"\n'
+                                      'stale_policy = "correct"',
+                               "algorithm": 'off_policy_correction = "tis"'},
+    # every rank both (DP=2 over gloo, one engine per rank): trainer and rollout state in each rank's shard
+    "colocated-sync": {"resources": "colocate = true", "trainer": "dp = 2", "rollout": "engines = 2"},
+}
 
 
 def _log(run_dir: Path) -> str:
     return (run_dir / "logs" / "job.out").read_text(errors="replace")
 
 
-LAYOUTS = {
-    # 1 trainer + 1 rollout rank: the rollout rank runs ahead; its unsent/untrained batches are in the checkpoint
-    "separate": {},
-    # every rank both (DP=2 over gloo, one engine per rank): trainer and rollout state in each rank's shard
-    "colocated": {"resources": "colocate = true", "trainer": "dp = 2", "rollout": "engines = 2"},
-}
+def _toml(case: str, **kw: object) -> str:
+    return job_toml(STEPS, extra="[checkpoint]\nkeep = 2", add=CASES[case], **kw)
 
 
-def _toml(layout: str, **kw: object) -> str:
-    return job_toml(STEPS, extra="[checkpoint]\nkeep = 2", add=LAYOUTS[layout], **kw)
-
-
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_signalled_mpi_job_checkpoints_exits_75_and_resumes_bitwise(tmp_path: Path, layout: str) -> None:
-    ref_dir = prepare_local(tmp_path, "uninterrupted", _toml(layout))
-    run_dir = prepare_local(tmp_path, "interrupted", _toml(layout, env={"MILEHPC_TEST_REWARD_DELAY": "0.1"}))
-    plan = json.loads((run_dir / "plan.json").read_text())
-    assert plan["world_size"] == 2 and plan["colocated"] == (layout == "colocated")
-    ref = start_script(ref_dir)  # side by side with the interrupted run
-    stop_after = random.Random(os.getpid()).randint(2, STEPS // 2)
+def _interrupt(run_dir: Path, after: int, signum: int) -> int:
+    """Start the job script, signal it once step ``after``'s dump exists, and return the step its checkpoint
+    holds (it must exit 75)."""
     job = start_script(run_dir)
     try:
         deadline = time.monotonic() + 300
-        while not (run_dir / "rollouts" / f"step_{stop_after:06d}.h5").exists():
+        while not (run_dir / "rollouts" / f"step_{after:06d}.h5").exists():
             assert job.poll() is None, _log(run_dir)[-3000:]
             assert time.monotonic() < deadline, "the job made no progress"
             time.sleep(0.01)
-        job.send_signal(signal.SIGUSR1)  # what Slurm's --signal=B:USR1@lead does to the batch shell
+        job.send_signal(signum)
         assert job.wait(timeout=300) == signals.EXIT_REQUEUE, _log(run_dir)[-3000:]
     finally:
         if job.poll() is None:
             job.kill()
     done = json.loads(signals.checkpointed_path(run_dir).read_text())
-    assert stop_after < done["step"] < STEPS, (stop_after, done)
+    assert after < done["step"] < STEPS, (after, done)
     assert not signals.request_path(run_dir).exists()
-    manifest = json.loads((Path(done["checkpoint"]) / "manifest.json").read_text())
-    # both ranks wrote their shard: the trainer's model/optimizer, the rollout side's engine RNG, cursor, outbox
-    assert {"rank-00000.pt", "rank-00001.pt", "rank-00001.h5"} <= set(manifest["files"])
-    assert manifest["layout"]["parallel"]["world_size"] == 2
     assert resume_run_dir(run_dir)["step"] == done["step"]
+    return int(done["step"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interrupted_mpi_job_resumes_bitwise_in_every_loop_mode(tmp_path: Path, case: str) -> None:
+    ref_dir = prepare_local(tmp_path, "uninterrupted", _toml(case))
+    run_dir = prepare_local(tmp_path, "interrupted", _toml(case, env={"MILEHPC_TEST_REWARD_DELAY": "0.1"}))
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["colocated"] == case.startswith("colocated")
+    ref = start_script(ref_dir)  # side by side with the interrupted run
+
+    rng = random.Random(f"{case}-{os.getpid()}")
+    print(f"seed {case}-{os.getpid()}")
+    resumed_at: list[int] = []
+    after = rng.randint(1, 3)
+    for i in range(rng.randint(1, 3)):
+        if after >= STEPS - 2:
+            break
+        signum = rng.choice([signal.SIGUSR1, signal.SIGTERM])
+        step = _interrupt(run_dir, after, signum)
+        if i == 0:
+            manifest = json.loads((run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json").read_text())
+            # both ranks wrote their shard: the trainer's model/optimizer, the rollout side's RNG, cursor, outbox
+            assert {"rank-00000.pt", "rank-00001.pt", "rank-00001.h5"} <= set(manifest["files"])
+            assert manifest["layout"]["parallel"]["world_size"] == 2
+        resumed_at.append(step)
+        after = step + rng.randint(1, 3)
+    assert resumed_at, "no interruption happened"
     assert "ranks checkpointed; resume with: milehpc submit --resume" in _log(run_dir)
 
     again = start_script(run_dir)  # what `milehpc submit --resume RUN_DIR` resubmits
     assert again.wait(timeout=400) == 0, _log(run_dir)[-3000:]
-    assert f"resumed from {done['checkpoint']} (step {done['step']}" in _log(run_dir)
+    log = _log(run_dir)
+    for step in resumed_at:  # each run started from the previous one's checkpoint, not from step 0
+        assert f"(step {step}, restart 0)" in log, (step, log[-3000:])
+    assert log.count("milehpc: resumed from") == len(resumed_at)
     assert ref.wait(timeout=400) == 0, _log(ref_dir)[-3000:]
 
+    # one record per step, in order: a resumed run rewrote the records of the steps it ran again
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(STEPS))
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(STEPS))
+
     different = differences(final_state(ref_dir, STEPS), final_state(run_dir, STEPS))
-    assert not different, f"interrupted after step {done['step']}: {different[:5]}"
+    assert not different, f"interrupted after steps {resumed_at}: {different[:5]}"
+    if case == "separate-async":  # "scheduled": every batch came from exactly the version it requires
+        for d in (ref_dir, run_dir):
+            assert _generated_with(d) == {b: {required_version(_job(d), b)} for b in range(STEPS)}
+
+
+def _job(run_dir: Path):
+    from milehpc.config.load import load_job
+
+    return load_job(run_dir / "job.toml")
+
+
+def _generated_with(run_dir: Path) -> dict[int, set[int]]:
+    """The weight versions that generated each step's samples (from the rollout dumps)."""
+    from milehpc.samples.dumps import read_rollouts
+
+    return {b: {s.weight_version for s in read_rollouts(run_dir, b)[0]} for b in range(STEPS)}

@@ -1,4 +1,5 @@
-"""On the test Slurm cluster: the RL job (1 trainer + 1 rollout rank under `srun --mpi=pmix`) has a 2-minute time
+"""On the test Slurm cluster: the RL job (1 trainer + 1 rollout rank under `srun --mpi=pmix`, the one-step-off loop
+as in the shipped examples: a generated, untrained batch is in flight at every checkpoint) has a 2-minute time
 limit and `--signal=B:USR1@60`. Slurm signals the batch shell mid-run, the ranks checkpoint and exit 75, the script
 requeues the job, the restarted job resumes from the checkpoint (again if signalled again) and finishes; the final
 parameters and optimizer state are bitwise equal to an uninterrupted local (mpirun) run of the same job.
@@ -23,6 +24,7 @@ import harness  # noqa: E402
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
+ONE_STEP_OFF = {"run": 'loop = "one_step_off"'}
 STEPS, DELAY = 24, 3.0  # 72 s of steps: more than the 30-60 s before the signal, so it must requeue
 
 
@@ -57,11 +59,11 @@ def _wait_releasing_late(job_id: str, *, timeout: float) -> list:
 def test_time_limit_signal_checkpoints_requeues_resumes_and_matches_local_run(cli, tmp_path: Path) -> None:
     extra = "[checkpoint]\nsignal_lead_s = 60\nmax_restarts = 4\nkeep = 2\n"
     # The uninterrupted run first (locally, mpirun, no delay), so it does not slow down the Slurm job's ranks.
-    ref_dir = prepare_local(tmp_path, "uninterrupted", job_toml(STEPS, extra=extra))
+    ref_dir = prepare_local(tmp_path, "uninterrupted", job_toml(STEPS, add=ONE_STEP_OFF, extra=extra))
     assert start_script(ref_dir).wait(timeout=400) == 0, (ref_dir / "logs" / "job.out").read_text()[-3000:]
 
     job = tmp_path / "job.toml"
-    job.write_text(job_toml(STEPS, extra=extra, env={"MILEHPC_TEST_REWARD_DELAY": str(DELAY)},
+    job.write_text(job_toml(STEPS, add=ONE_STEP_OFF, extra=extra, env={"MILEHPC_TEST_REWARD_DELAY": str(DELAY)},
                             time_limit="00:02:00"))
     run_dir = tmp_path / "run"
     script = cli("render", str(job), "--site", "local-slurm", "--run-dir", str(run_dir)).stdout

@@ -28,7 +28,8 @@ SHIPPED_SITES = ["local", "local-slurm", "frontier-like", "perlmutter-like", "dg
 def header(path: Path) -> dict[str, list[str]]:
     """The leading `# key: value` lines of a corpus file."""
     out: dict[str, list[str]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    # Bytes decoded leniently: the encoding cases (toml-latin1) are not UTF-8 past their ASCII header.
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         match = re.fullmatch(r"#\s*([a-z-]+):\s?(.*)", line)
         if not match:
             break

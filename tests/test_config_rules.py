@@ -34,6 +34,15 @@ CASES: dict[str, tuple[dict, dict, str]] = {
         {"rollout": {"generator": "toy_retry", "generator_params": {"max_turns": "two"}}},
         {"rollout": {"generator": "toy_retry", "generator_params": {"max_turns": 2}}},
         "rollout.generator_params.max_turns"),
+    "task_params_fit_the_task": (
+        {"data": {"source": "task:sort", "params": {"min_len": "12"}}},
+        {"data": {"source": "task:sort", "params": {"min_len": 5, "max_len": 12}}}, "data.params.min_len"),
+    "reward_params_fit_the_reward": (
+        {"reward": {"name": "math_answer", "params": {"tolerance": -1.0}}},
+        {"reward": {"name": "math_answer", "params": {"tolerance": 0.01}}}, "reward.params.tolerance"),
+    "algorithm_params_fit_the_plugins": (
+        {"algorithm": {"loss": "ppo_clip", "loss_params": {"clip_ratio_c": 0.5}}},
+        {"algorithm": {"loss": "ppo_clip", "loss_params": {"clip_ratio_c": 0.0}}}, "algorithm.loss_params.clip_ratio_c"),
     "colocated_runs_sync": (
         {"resources": {"colocate": True}, "run": {"loop": "one_step_off"}},
         {"resources": {"colocate": True}, "run": {"loop": "sync"}}, "run.loop"),
@@ -41,6 +50,10 @@ CASES: dict[str, tuple[dict, dict, str]] = {
         {"run": {"loop": "async", "stale_policy": "correct"}, "algorithm": {"off_policy_correction": "none"}},
         {"run": {"loop": "async", "stale_policy": "correct"}, "algorithm": {"off_policy_correction": "tis"}},
         "run.stale_policy"),
+    "partial_rollouts_keep_their_stale_samples": (
+        {"run": {"loop": "async"}, "rollout": {"partial_rollout": True}},
+        {"run": {"loop": "async", "stale_policy": "correct"}, "rollout": {"partial_rollout": True},
+         "algorithm": {"off_policy_correction": "tis"}}, "run.stale_policy"),
     "partial_rollouts_need_the_builtin_generation": (
         {"rollout": {"generator": "toy_retry", "partial_rollout": True}},
         {"rollout": {"generator": "toy_retry", "partial_rollout": False}}, "rollout.partial_rollout"),

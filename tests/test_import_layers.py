@@ -26,6 +26,7 @@ ROOT = Path(os.environ.get("MILEHPC_LAYERS_ROOT") or REPO / PACKAGE)
 LAYERS: list[tuple[str, ...]] = [
     ("__init__",),      # __version__ only
     ("errors",),        # user-facing errors
+    ("faults",),        # test-only fault injection (MILEHPC_FAULT)
     ("hygiene",),       # secrets, private dirs, storage errors (stdlib only)
     ("resources",),     # shipped data files
     ("plugin_types",),  # the dataclasses plugins yield
@@ -33,8 +34,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("plugins",),       # the plugin manager and registries
     ("samples",),       # Sample / Batch / HDF5 codec / rollout dumps: the records every layer shares
     ("config",),        # JobSpec, Site, loading, validation
+    ("sandbox",),       # running untrusted programs under limits (code rewards, tool environments)
     ("builtin",),       # built-in registrations (engines.py reads config.job's loop option defaults)
     ("plan",),          # rank layout (pure)
+    ("memory",),        # per-rank memory estimate of a plan (pure)
     ("render",),        # sbatch + Apptainer rendering
     ("checkpoint",),    # login-safe checkpoint library
     ("scheduler",),     # slurm client, submit, sweeps, local launcher

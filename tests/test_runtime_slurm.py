@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "cluster"))
 from harness import ensure_cluster  # noqa: E402
+from required import unavailable  # noqa: E402
 from test_runtime_mpi import TESTS, VENV_BIN, outputs, write_run_dir  # noqa: E402
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
@@ -24,11 +25,11 @@ pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
 def srun(run_dir: Path, entry: str, *, n: int = 4, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     conf = ensure_cluster()  # skips, with the reason, when the cluster cannot be reached or started
     if shutil.which("srun") is None:
-        pytest.skip("srun is not installed")
+        unavailable("srun is not installed")
     probe = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30,
                            env={**os.environ, "SLURM_CONF": conf})
     if probe.returncode != 0:
-        pytest.skip(f"sinfo cannot reach the test cluster: {probe.stderr.strip()[:200]}")
+        unavailable(f"sinfo cannot reach the test cluster: {probe.stderr.strip()[:200]}")
     cmd = ["srun", "-n", str(n), "--mpi=pmix", "-t", "5", "-J", "milehpc-runtime-test",
            str(VENV_BIN / "python"), "-m", "milehpc", "launch", str(run_dir), "--entry", f"runtime_mpi_entries:{entry}"]
     env = {**os.environ, "SLURM_CONF": conf, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}

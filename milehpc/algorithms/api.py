@@ -40,7 +40,7 @@ def _resolve(kind: str, name: str, params: dict[str, Any], *, file: str | None, 
 
     spec = plugins.lookup(kind, name, file=file, field=f"algorithm.{field_name}")
     plugins.check_requires(spec, f"{kind} '{name}'")
-    values = check_params(spec.defaults, params, file=file, prefix=f"algorithm.{field_name}_params")
+    values = check_params(spec, params, file=file, prefix=f"algorithm.{field_name}_params")
     return spec, spec.load(), values
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from milehpc.config.sglang_options import option_defaults
+from milehpc.config.sglang_options import SGLangOptions
 from milehpc.hookspecs import hookimpl
 from milehpc.plugin_types import RolloutEngine
 
@@ -14,5 +14,5 @@ def milehpc_rollout_engines() -> Iterator[RolloutEngine]:
     yield RolloutEngine(name="sglang", impl="milehpc.rollout.sglang_engine:from_context",
                         description="SGLang in-process engine per engine group (TP over ranks, NCCL weight sync, "
                                     "colocated offload with torch_memory_saver, EAGLE speculative decoding)",
-                        defaults=option_defaults(), requires=("sglang",), direct_weight_sync=True,
+                        schema=SGLangOptions, requires=("sglang",), direct_weight_sync=True,
                         check_options="milehpc.config.sglang_options:parse_options")

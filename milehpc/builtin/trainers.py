@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+from milehpc.config.schema import opt
 from milehpc.hookspecs import hookimpl
-from milehpc.plugin_types import Trainer
+from milehpc.plugin_types import Trainer, schema_defaults
 
-# ``trainer.options`` of the torch trainer: FSDP2 instead of DDP, the critic's learning rate, the teacher checkpoint
-# folder of on-policy distillation.
-TORCH_TRAINER_OPTIONS = {"fsdp": False, "critic_lr": 1e-4, "teacher_path": ""}
+
+@dataclass
+class TorchTrainerOptions:
+    """``trainer.options`` of the torch trainer."""
+
+    fsdp: bool = opt(False, help="FSDP2 instead of DDP over the trainer ranks")
+    critic_lr: float = opt(1e-4, min=0.0, help="learning rate of the critic (GAE)")
+    teacher_path: str = opt("", help="on-policy distillation: the teacher's local HF checkpoint folder")
+
+
+TORCH_TRAINER_OPTIONS = schema_defaults(TorchTrainerOptions)
 
 
 @hookimpl
 def milehpc_trainers() -> Iterator[Trainer]:
     yield Trainer(name="torch", impl="milehpc.train.torch_trainer:from_context",
                   description="PyTorch trainer for HF-architecture models (DDP; FSDP2 with options.fsdp = true)",
-                  defaults=dict(TORCH_TRAINER_OPTIONS), requires=("torch", "transformers"))
+                  schema=TorchTrainerOptions, requires=("torch", "transformers"))

@@ -31,6 +31,7 @@ from milehpc.checkpoint.manifest import CheckpointInfo, list_checkpoints
 from milehpc.checkpoint.resume import checkpoint_root
 from milehpc.checkpoint.rng import capture_rng, restore_rng
 from milehpc.errors import ConfigError, RuntimeFailure
+from milehpc.faults import maybe_fail
 from milehpc.hygiene import make_private_dir, storage_errors
 from milehpc.samples.h5 import read_samples_h5, write_samples_h5
 
@@ -159,6 +160,7 @@ class Checkpointer:
                 fsync_path(tmp)
 
         def commit() -> None:
+            maybe_fail("commit", step)
             with storage_errors(tmp):
                 self._commit(tmp, final, step, meta or {})
 

@@ -5,6 +5,10 @@ any world size); ranks on the same host are also checked by pid + start time (a 
 tick). Whoever sees a rank vanish sends a notice naming it to every rank; a rank that receives a notice, or sees a
 failure itself, ends within ``grace`` seconds even when its main thread is stuck inside a collective — the RL loop
 never hangs on a dead peer. Notices also carry failures the main thread found (a timeout, an exception).
+
+Rank 0 speaks for the job, and launchers (``mpirun``, ``srun --kill-on-bad-exit``) tear the job down at the first
+non-zero exit: a rank that failed by itself therefore sends its notices synchronously and waits (bounded,
+:meth:`Watchdog.settle`) until rank 0 has repeated its error (``TAG_REPORTED``) or is gone, before it exits.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-TAG_HEARTBEAT, TAG_NOTICE, TAG_BYE = 31001, 31002, 31003
+TAG_HEARTBEAT, TAG_NOTICE, TAG_BYE, TAG_REPORTED = 31001, 31002, 31003, 31004
 
 
 @dataclass(frozen=True)
@@ -102,11 +106,12 @@ class Watchdog:
                 if dest == self.rank or dest in self.failed_ranks:
                     continue
                 with contextlib.suppress(Exception):  # best effort: that rank may be gone as well
-                    self._sent.append(self.comm.isend(message, dest, TAG_NOTICE))  # keep the buffer alive
+                    # Synchronous: complete only once the peer took it, so settle() knows it arrived.
+                    self._sent.append(self.comm.issend(message, dest, TAG_NOTICE))  # keep the buffer alive
         return True
 
     def flush(self, timeout: float = 1.0) -> None:
-        """Give the notices sent so far a moment to leave before the process ends."""
+        """Wait (at most ``timeout``) until the peers took the notices sent so far."""
         deadline = time.monotonic() + timeout
         while self._sent and time.monotonic() < deadline:
             try:
@@ -114,6 +119,65 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - a dead destination: nothing more to do
                 return
             time.sleep(0.01)
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Before a rank that failed by itself exits (it has printed its error): stop the thread (its grace exit
+        would cut this short) and wait until rank 0 has repeated the error or is gone — the launcher kills the
+        others at this rank's exit; rank 0 itself waits until the peers took its notice. Meanwhile take the
+        peers' notices: they may be settling too. Bounded by ``timeout`` (a frozen peer; default: the time rank 0
+        needs to notice and report, with room for a loaded machine)."""
+        self._halt()
+        if self.rank == 0:
+            self.reported()
+        local0 = next((p for p in self._local if p.rank == 0), None)
+        deadline = time.monotonic() + (self.grace + 10 * self.interval + 10.0 if timeout is None else timeout)
+        while self.size > 1 and time.monotonic() < deadline:
+            self._drain_notices()
+            try:
+                self._sent = [r for r in self._sent if not r.Test()]
+            except Exception:  # noqa: BLE001 - a dead destination: nothing more will complete
+                self._sent = []
+            if (not self._sent) if self.rank == 0 else self._rank0_done(local0):
+                return
+            time.sleep(0.01)
+
+    def reported(self) -> None:
+        """Rank 0 has printed the failure: the ranks waiting in :meth:`settle` may exit now."""
+        if self.rank != 0:
+            return
+        for dest in range(1, self.size):
+            if dest not in self.failed_ranks:
+                with contextlib.suppress(Exception):  # it may be gone already
+                    self._sent.append(self.comm.isend(None, dest, TAG_REPORTED))
+        self.flush(1.0)
+
+    def _rank0_done(self, local0: Peer | None) -> bool:
+        from mpi4py import MPI
+
+        try:
+            if self.comm.improbe(0, TAG_REPORTED) is not None or 0 in failed_ranks(self.comm):
+                return True
+        except MPI.Exception:  # with ULFM: rank 0 is gone
+            return True
+        return local0 is not None and not _alive(local0)
+
+    def _drain_notices(self) -> None:
+        from mpi4py import MPI
+
+        try:
+            while (msg := self.comm.improbe(MPI.ANY_SOURCE, TAG_NOTICE)) is not None:
+                msg.recv()
+        except MPI.Exception:  # ULFM refuses any-source while a failure is unacknowledged: ask each live peer
+            for src in range(self.size):
+                if src != self.rank and src not in self.failed_ranks:
+                    with contextlib.suppress(MPI.Exception):
+                        while (msg := self.comm.improbe(src, TAG_NOTICE)) is not None:
+                            msg.recv()
+
+    def _halt(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * self.interval + 1)
 
     # ---- the thread -------------------------------------------------------
     def _run(self) -> None:
@@ -195,5 +259,6 @@ def default_on_failure(dog: Watchdog) -> None:
     ``os._exit`` skips MPI_Finalize, which would wait for the dead rank."""
     if dog.detected_here or dog.rank == 0:
         report(dog.rank, dog.failure or "failure")
+    dog.settle()  # the launcher ends the others at this exit: not before rank 0 has said what failed
     sys.stdout.flush()
     os._exit(1)

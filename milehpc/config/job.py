@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from milehpc.config.schema import opt
 from milehpc.errors import ConfigError
+from milehpc.plugin_types import schema_defaults
 
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 TIME = r"(\d+-)?\d{1,2}:\d{2}:\d{2}|\d+"  # Slurm: [D-]HH:MM:SS or minutes
@@ -42,10 +43,16 @@ class ModelSpec:
                 file=file, field=f"{prefix}.num_heads",
             )
 
-# ``rollout.options`` the loop itself reads, whatever the engine (partial-rollout chunk in tokens, 0 = half of
-# max_new_tokens; generation rounds per step to fill the batch with the dynamic filter). Engines that let a job set
-# them declare them among their plugin defaults (milehpc.builtin.engines).
-ROLLOUT_LOOP_OPTIONS = {"partial_chunk": 0, "max_filter_rounds": 4}
+@dataclass
+class RolloutLoopOptions:
+    """``rollout.options`` the loop itself reads, whatever the engine. Engines that let a job set them declare this
+    as their plugin schema (milehpc.builtin.engines)."""
+
+    partial_chunk: int = opt(0, min=0, help="partial rollout: tokens per chunk; 0 = half of max_new_tokens")
+    max_filter_rounds: int = opt(4, min=1, help="dynamic filter: generation rounds per step to fill the batch")
+
+
+ROLLOUT_LOOP_OPTIONS = schema_defaults(RolloutLoopOptions)
 
 
 @dataclass
@@ -173,11 +180,36 @@ class CheckpointSpec:
 
 
 @dataclass
+class SandboxSpec:
+    backend: str | None = opt(None, pattern=NAME, expect="a sandbox name",
+                              help="sandbox for model-written programs (code rewards, tools); unset = the site's")
+    image: str | None = opt(None, help="container image for the apptainer sandbox; unset = the site's")
+    allow_unsandboxed: bool = opt(False, help="let backend = 'none' run model output on the host, unconfined")
+    workers: int = opt(0, min=0, help="sandboxed programs running at once per rank; 0 = the rank's cores")
+    params: dict[str, Any] = opt({}, help="the backend's parameters (milehpc.builtin.sandboxes)")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        if self.backend == "none" and not self.allow_unsandboxed:
+            raise ConfigError("expected allow_unsandboxed = true to run model output without a sandbox "
+                              "(backend = 'none'), got false", file=file, field=f"{prefix}.allow_unsandboxed")
+        if self.backend:  # unset: the site partition's backend, checked with the site (render.rundir.prepare)
+            from milehpc import plugins
+            from milehpc.config.schema import check_params
+
+            spec = plugins.lookup("sandbox", self.backend, file=file, field=f"{prefix}.backend")
+            check_params(spec, self.params, file=file, prefix=f"{prefix}.params")
+
+
+@dataclass
 class RunSpec:
     steps: int = opt(100, min=1)
     loop: Literal["sync", "one_step_off", "async"] = opt("sync")
     max_staleness: int = opt(1, min=0, help="async: drop samples older than this many weight versions")
     stale_policy: Literal["drop", "correct"] = opt("drop")
+    async_weights: Literal["latest", "scheduled"] = opt(
+        "latest", help="async: 'latest' generates with whatever weights have arrived (fresher, timing-dependent); "
+                       "'scheduled' with exactly the version max_staleness steps back (deterministic for a seed, "
+                       "resumes bitwise)")
     update_weights_interval: int = opt(1, min=1)
     seed: int = opt(0)
     run_dir: str | None = opt(None, help="unset = runs/<name>")
@@ -201,6 +233,7 @@ class JobSpec:
     resources: ResourcesSpec = opt(ResourcesSpec)
     container: ContainerSpec = opt(ContainerSpec)
     checkpoint: CheckpointSpec = opt(CheckpointSpec)
+    sandbox: SandboxSpec = opt(SandboxSpec)
     run: RunSpec = opt(RunSpec)
     env: dict[str, str] = opt({}, help="extra environment for every rank")
     site: dict[str, Any] = opt({}, help="overrides of the site's partition values (same keys as a site partition)")

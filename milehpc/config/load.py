@@ -17,28 +17,102 @@ from milehpc.config.schema import build, deep_merge
 from milehpc.config.site import Partition, Site, expand_partitions
 from milehpc.errors import ConfigError
 
+# A job spec or site file is a few KiB; anything near this is not one (and reading it all would cost the login node).
+MAX_TOML_BYTES = 4 << 20
+# Tables and arrays nested deeper than this are no job spec or site (every check below recurses through them).
+MAX_DEPTH = 32
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+         (b"\xfe\xff", "UTF-16"))
+
+
+def _decode(raw: bytes, path: Path) -> str:
+    """TOML is UTF-8: anything else (binary, UTF-16, Latin-1) is one line saying what it is."""
+    for bom, name in _BOMS:
+        if raw.startswith(bom):
+            raise ConfigError(f"expected UTF-8 text, got {name} (byte-order mark); save the file as UTF-8",
+                              file=str(path))
+    if b"\x00" in raw:
+        raise ConfigError(f"expected a TOML text file, got binary data (a NUL byte at offset {raw.index(0)})",
+                          file=str(path))
+    try:
+        return raw.decode("utf-8").removeprefix("\ufeff")  # a UTF-8 byte-order mark is harmless
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"expected UTF-8 text, got byte 0x{raw[err.start]:02x} on line {line} (another encoding?"
+                          " save the file as UTF-8)", file=str(path)) from None
+
+
+def _depth(value: Any, where: str = "") -> tuple[int, str]:
+    """How deep tables and arrays nest in ``value`` (iterative: a deep value must not exhaust the stack here)."""
+    deepest, at = 0, where
+    stack = [(value, 0, where)]  # the document (or a --set value) itself is level 0
+    while stack:
+        node, depth, path = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in items:
+            # The path names the first few levels only: the error stays one readable line.
+            child_path = (path if depth > 3 else f"{path}[{key}]" if isinstance(node, list) else
+                          f"{path}.{key}" if path else str(key))
+            if isinstance(child, dict | list):
+                if depth + 1 > deepest:
+                    deepest, at = depth + 1, child_path
+                stack.append((child, depth + 1, child_path))
+    return deepest, at
+
+
+def check_depth(data: Any, *, file: str | None, field: str | None = None) -> None:
+    """Refuse tables/arrays nested deeper than :data:`MAX_DEPTH` (one line naming where)."""
+    depth, at = _depth(data, field or "")
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"expected tables and arrays nested at most {MAX_DEPTH} deep, got {depth} levels",
+                          file=file, field=at or field)
+
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    """Parse a TOML file; a missing file or a syntax error is one line naming the file."""
+    """Parse a TOML file; a missing, unreadable, huge, binary, non-UTF-8, malformed or absurdly nested file is one
+    line naming the file."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        info = path.stat()
+        if not path.is_file():  # a FIFO or a device would block or never end
+            raise ConfigError("expected a regular file", file=str(path))
+        if info.st_size > MAX_TOML_BYTES:
+            raise ConfigError(f"expected a TOML file of at most {MAX_TOML_BYTES >> 20} MiB, got {info.st_size} bytes",
+                              file=str(path))
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_TOML_BYTES + 1)  # a file still growing is read no further than the limit
     except FileNotFoundError:
         raise ConfigError("file not found", file=str(path)) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
+    except (IsADirectoryError, PermissionError, OSError) as err:
         raise ConfigError(f"cannot read: {err.__class__.__name__}", file=str(path)) from None
+    if len(raw) > MAX_TOML_BYTES:
+        raise ConfigError(f"expected a TOML file of at most {MAX_TOML_BYTES >> 20} MiB, got more", file=str(path))
+    text = _decode(raw, path)
     try:
-        return tomllib.loads(text)
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"invalid TOML: {err}", file=str(path)) from None
+    except RecursionError:
+        # tomllib recurses once per nested array or inline table.
+        raise ConfigError(f"invalid TOML: arrays or inline tables nested too deeply (at most {MAX_DEPTH})",
+                          file=str(path)) from None
+    check_depth(data, file=str(path))
+    return data
 
 
 def parse_value(text: str) -> Any:
     """A ``--set`` value in TOML syntax (``4``, ``1e-4``, ``true``, ``["a","b"]``); anything else is a string."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        raise ConfigError(f"expected a value nested at most {MAX_DEPTH} deep, got {text[:40]!r}...",
+                          field="--set") from None
+    depth, _ = _depth([value])  # the value sits one level down, as under its key in a file
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"expected a value nested at most {MAX_DEPTH} deep, got {depth} levels", field="--set")
+    return value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
@@ -68,6 +142,7 @@ def job_label(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
     """Read, override and validate a job spec."""
     data = apply_overrides(read_toml(path), overrides)
+    check_depth(data, file=job_label(path, overrides))  # a long --set key path nests too
     # An override error names the option, a file error the file; both name the field.
     return build(JobSpec, data, file=job_label(path, overrides))
 

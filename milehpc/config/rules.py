@@ -40,13 +40,21 @@ def _estimator(job: JobSpec, file: str | None) -> AdvantageEstimator | None:
     return plugins.lookup("advantage", job.algorithm.advantage, file=file, field="algorithm.advantage")
 
 
-def _trainer_options(job: JobSpec, file: str | None) -> dict[str, Any]:
-    """``trainer.options`` over the trainer plugin's defaults (an unknown key or a wrong type is one line)."""
+def _plugin_params(kind: str, name: str, params: dict[str, Any], file: str | None, *, field: str,
+                   prefix: str) -> dict[str, Any]:
+    """``params`` checked against the schema the plugin ``name`` declares (milehpc.plugin_types.Registered):
+    an unknown key, a wrong type, a value out of range is one line naming ``prefix.key``."""
     from milehpc import plugins
     from milehpc.config.schema import check_params
 
-    spec = plugins.lookup("trainer", job.trainer.backend, file=file, field="trainer.backend")
-    return check_params(spec.defaults, job.trainer.options, file=file, prefix="trainer.options")
+    spec = plugins.lookup(kind, name, file=file, field=field)
+    return check_params(spec, params, file=file, prefix=prefix)
+
+
+def _trainer_options(job: JobSpec, file: str | None) -> dict[str, Any]:
+    """``trainer.options`` over the trainer plugin's defaults (an unknown key or a wrong type is one line)."""
+    return _plugin_params("trainer", job.trainer.backend, job.trainer.options, file, field="trainer.backend",
+                          prefix="trainer.options")
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------
@@ -66,6 +74,22 @@ def stale_samples_need_a_correction(job: JobSpec, file: str | None) -> None:
                           field="run.stale_policy")
 
 
+def partial_rollouts_keep_their_stale_samples(job: JobSpec, file: str | None) -> None:
+    """run.loop × rollout.partial_rollout × run.stale_policy: a sample continued over several batches keeps the
+    version of its first chunk, so its staleness reaches max_staleness + chunks - 1 — past the window by
+    construction — and the async drop policy would drop every group with a continued sample (the long answers)."""
+    ro = job.rollout
+    if not (job.run.loop == "async" and ro.partial_rollout and job.run.stale_policy == "drop"):
+        return
+    chunk = int(ro.options.get("partial_chunk", 0)) or max(1, ro.max_new_tokens // 2)
+    chunks = -(-ro.max_new_tokens // chunk)
+    if chunks > 1:
+        raise ConfigError(f"partial rollouts continue a sample over up to {chunks} batches, so its staleness reaches "
+                          f"max_staleness + {chunks - 1} and stale_policy = 'drop' would drop it: expected "
+                          f"stale_policy = 'correct' (with algorithm.off_policy_correction) or partial_rollout = "
+                          f"false, got 'drop'", file=file, field="run.stale_policy")
+
+
 def partial_rollouts_need_the_builtin_generation(job: JobSpec, file: str | None) -> None:
     """rollout.partial_rollout × rollout.generator: a custom generator owns its turns; it cannot be cut and
     continued."""
@@ -77,13 +101,50 @@ def partial_rollouts_need_the_builtin_generation(job: JobSpec, file: str | None)
 
 def generator_params_fit_the_generator(job: JobSpec, file: str | None) -> None:
     """rollout.generator × rollout.generator_params (× the generator plugin's declared params)."""
-    if not job.rollout.generator:
-        return
-    from milehpc import plugins
-    from milehpc.config.schema import check_params
+    if job.rollout.generator:
+        _plugin_params("generator", job.rollout.generator, job.rollout.generator_params, file,
+                       field="rollout.generator", prefix="rollout.generator_params")
 
-    spec = plugins.lookup("generator", job.rollout.generator, file=file, field="rollout.generator")
-    check_params(spec.defaults, job.rollout.generator_params, file=file, prefix="rollout.generator_params")
+
+def task_params_fit_the_task(job: JobSpec, file: str | None) -> None:
+    """data.source × data.params (× the task plugin's declared schema; a JSONL file takes no params)."""
+    source = job.data.source
+    if source.startswith("task:"):
+        _plugin_params("task", source.removeprefix("task:"), job.data.params, file, field="data.source",
+                       prefix="data.params")
+    elif job.data.params:
+        raise ConfigError(f"a JSONL source takes no parameters: expected data.params = {{}} with data.source = "
+                          f"{source!r}, got {sorted(job.data.params)}", file=file, field="data.params")
+
+
+def _reward_name(job: JobSpec, file: str | None) -> str:
+    """reward.name, or the reward a task source names when it is empty ("" when there is none)."""
+    if job.reward.name or not job.data.source.startswith("task:"):
+        return job.reward.name
+    from milehpc import plugins
+
+    return plugins.lookup("task", job.data.source.removeprefix("task:"), file=file, field="data.source").reward
+
+
+def reward_params_fit_the_reward(job: JobSpec, file: str | None) -> None:
+    """reward.name (or data.source's own reward) × reward.params (× the reward plugin's declared schema; a
+    ``module:function`` reward's signature is checked where it is imported, inside the job)."""
+    name = _reward_name(job, file)
+    if name and ":" not in name:
+        _plugin_params("reward", name, job.reward.params, file, field="reward.name", prefix="reward.params")
+
+
+def algorithm_params_fit_the_plugins(job: JobSpec, file: str | None) -> None:
+    """algorithm.advantage × algorithm.advantage_params, algorithm.loss × algorithm.loss_params (× each plugin's
+    declared schema)."""
+    from milehpc import plugins
+
+    if not plugins.registry("advantage"):
+        return
+    alg = job.algorithm
+    _plugin_params("advantage", alg.advantage, alg.advantage_params, file, field="algorithm.advantage",
+                   prefix="algorithm.advantage_params")
+    _plugin_params("loss", alg.loss, alg.loss_params, file, field="algorithm.loss", prefix="algorithm.loss_params")
 
 
 # ---- plugin options --------------------------------------------------------------------------------------------
@@ -97,11 +158,11 @@ def engine_options_fit_the_engine(job: JobSpec, file: str | None) -> None:
     """rollout.engine × rollout.options (× the engine plugin's declared options: unknown keys, types, and its own
     full check, e.g. SGLang's speculative decoding and reserved server args)."""
     from milehpc import plugins
-    from milehpc.config.schema import check_params
     from milehpc.plugin_types import load_ref
 
+    _plugin_params("engine", job.rollout.engine, job.rollout.options, file, field="rollout.engine",
+                   prefix="rollout.options")
     spec = plugins.lookup("engine", job.rollout.engine, file=file, field="rollout.engine")
-    check_params(spec.defaults, job.rollout.options, file=file, prefix="rollout.options")
     if spec.check_options is not None:
         load_ref(spec.check_options)(job.rollout.options, file=file)
 
@@ -229,7 +290,9 @@ def routing_replay_needs_moe(job: JobSpec, file: str | None) -> None:
 # Options first (later rules read them); the first rule broken is the one reported.
 RULES: tuple[Rule, ...] = (
     trainer_options_fit_the_trainer, engine_options_fit_the_engine, generator_params_fit_the_generator,
-    colocated_runs_sync, stale_samples_need_a_correction, partial_rollouts_need_the_builtin_generation,
+    task_params_fit_the_task, reward_params_fit_the_reward, algorithm_params_fit_the_plugins,
+    colocated_runs_sync, stale_samples_need_a_correction, partial_rollouts_keep_their_stale_samples,
+    partial_rollouts_need_the_builtin_generation,
     moe_is_built_as_qwen2, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
     megatron_has_no_critic_or_teacher, megatron_has_no_kl_reference, megatron_moe_needs_tp_1,
     megatron_ep_divides_the_experts, fsdp_trains_the_policy_alone, distillation_needs_a_teacher,

@@ -4,7 +4,6 @@ args milehpc derives itself, and their validation. Pure (no sglang, no torch): t
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -92,11 +91,3 @@ def parse_options(options: dict[str, Any], *, file: str | None = None) -> SGLang
                               file=file, field=f"rollout.options.server_args.{key}")
     return opts
 
-
-def option_defaults() -> dict[str, Any]:
-    """The plugin's declared ``defaults`` (every option and its default), from :class:`SGLangOptions` itself."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(SGLangOptions):
-        if f.init:
-            out[f.name] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    return out

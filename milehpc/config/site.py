@@ -44,6 +44,8 @@ class Devices:
     arch: str = opt("cpu", pattern=r"[A-Za-z0-9_.-]+", expect="a device architecture like gfx90a or sm_90")
     count: int = opt(0, min=0, help="GPUs (or GCDs) per node as Slurm counts them")
     model: str = opt("")
+    memory_gib: float | None = opt(None, min=0.5, help="memory of one device (GPU or GCD) in GiB, as nvidia-smi / "
+                                   "rocm-smi report it; unset = unknown (plan shows the estimate, nothing is refused)")
 
 
 def _check_env_names(env: dict[str, str], *, file: str | None, field: str) -> None:
@@ -61,6 +63,19 @@ class ContainerPlatform:
 
     def validate(self, *, file: str | None, prefix: str) -> None:
         _check_env_names(self.env, file=file, field=f"{prefix}.env")
+
+
+@dataclass
+class SiteSandbox:
+    backend: str = opt("bubblewrap", pattern=NAME, expect="a sandbox name",
+                       help="sandbox for model-written programs on this partition's nodes (bubblewrap, apptainer)")
+    image: str | None = opt(None, pattern=r"[A-Za-z0-9_.,:/@%+${}-]+", expect="an image path (may use ${USER})",
+                            help="the apptainer sandbox's image")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        if self.backend == "none":
+            raise ConfigError("expected a sandbox (a job may opt out with [sandbox] allow_unsandboxed), got 'none'",
+                              file=file, field=f"{prefix}.backend")
 
 
 @dataclass
@@ -85,6 +100,7 @@ class Partition:
     master_addr: Literal["hostname", "hostname -i", "127.0.0.1"] = opt("hostname")
     node_local_dir: str = opt("/tmp", pattern=r"[A-Za-z0-9_./${}-]+", expect="a path (may use ${USER})")
     containers: dict[str, ContainerPlatform] = opt({})
+    sandbox: SiteSandbox = opt(SiteSandbox)
     resources: dict[str, list[str]] = opt({}, help="named extra sbatch options, e.g. nvme = ['--constraint=nvme']")
 
     @property

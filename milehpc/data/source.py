@@ -105,7 +105,7 @@ def build_source(data_spec: Any, tokenizer: Any, *, seed_offset: int = 0, file: 
 
         name = source.split(":", 1)[1]
         spec = plugins.lookup("task", name, file=file, field="data.source")
-        params = check_params(spec.defaults, data_spec.params, file=file, prefix="data.params")
+        params = check_params(spec, data_spec.params, file=file, prefix="data.params")
         examples = spec.load()(seed=seed, **params)
         return PromptSource(examples, tokenizer, seed=seed, shuffle=data_spec.shuffle,
                             chat_template=data_spec.chat_template, name=source)

@@ -17,6 +17,8 @@ from milehpc.config.site import Partition, Site
 from milehpc.errors import ConfigError
 from milehpc.plan import Plan, make_plan
 from milehpc.render.script import ScriptInputs, render_script
+from milehpc.sandbox.choice import check as check_sandbox
+from milehpc.sandbox.choice import resolve as resolve_sandbox
 
 
 @dataclass
@@ -57,6 +59,9 @@ def prepare(job_file: str, site_name: str, overrides: tuple[str, ...] = (), *, r
     # The rules that span several tables (milehpc.config.rules): here, so submit, render, plan, run, --resume and
     # --sweep all refuse a job that can only fail before it queues.
     check_job_rules(job, file=job_label(job_file, overrides))
+    # The sandbox the ranks will use: the job's [sandbox] over the site partition's (the job alone cannot say).
+    check_sandbox(resolve_sandbox(to_dict(job.sandbox), to_dict(partition.sandbox)),
+                  file=job_label(job_file, overrides))
     rdir = Path(run_dir).expanduser().absolute() if run_dir else default_run_dir(job)
     inputs = ScriptInputs(job=job, plan=plan, partition=partition, run_dir=str(rdir),
                           container_argv=container_argv(job, plan, partition, rdir, job_file), job_file=job_file,

@@ -23,6 +23,8 @@ from milehpc.render import shell
 # The checkpoint/requeue contract with the ranks (milehpc.runtime.signals): the batch shell asks for a
 # checkpoint by creating this file; ranks that checkpointed and want to be restarted exit with this code.
 REQUEST_FILE = ".milehpc/checkpoint-request"
+# `milehpc stop`: present when the ranks exit with EXIT_REQUEUE, the script ends the job instead of requeueing it.
+STOP_FILE = ".milehpc/stop-request"
 EXIT_REQUEUE = 75
 # Rank 0 writes this file (relative to the run dir) when the whole launch ended well.
 DONE_FILE = ".milehpc/step-done"
@@ -153,6 +155,6 @@ def render_script(inp: ScriptInputs) -> str:
         env=env, container_env={**container_env, **job.container.env},
         launch=_launch_argv(inp), container=inp.container_argv,
         forward_case="|".join([*(f"{p}*" for p in FORWARD_PREFIXES), *FORWARD_PATTERNS]), forward_names=sorted({*FORWARD_NAMES, *forward}),
-        request_file=REQUEST_FILE, done_file=DONE_FILE, exit_requeue=EXIT_REQUEUE,
+        request_file=REQUEST_FILE, stop_file=STOP_FILE, done_file=DONE_FILE, exit_requeue=EXIT_REQUEUE,
         max_restarts=job.checkpoint.max_restarts,
     )

@@ -115,7 +115,7 @@ class RewardRunner:
             return cls(name, fn, kind, dict(reward_spec.params), **common)
         spec = plugins.lookup("reward", name, file=file, field="reward.name")
         plugins.check_requires(spec, f"reward '{name}'")
-        params = check_params(spec.defaults, reward_spec.params, file=file, prefix="reward.params")
+        params = check_params(spec, reward_spec.params, file=file, prefix="reward.params")
         kind = getattr(spec, "kind", "sample")
         fn = spec.load()
         validate = getattr(fn, "validate_params", None)

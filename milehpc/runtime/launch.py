@@ -67,9 +67,13 @@ def _mpi_rank_from_env() -> int:
     return 0
 
 
+def _say(message: str, rank: int) -> None:
+    print(f"milehpc: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
 def _end(code: int, message: str | None, rank: int) -> None:
     if message:
-        print(f"milehpc: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+        _say(message, rank)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -86,8 +90,10 @@ def _end_before_mpi(err: MilehpcError, rank: int) -> None:
 def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
     """Run this rank of the job in ``run_dir``; returns only on success (see the module docstring)."""
     from milehpc.hygiene import install_log_masking
+    from milehpc.runtime.signals import install_rank_handlers
 
     install_log_masking()
+    install_rank_handlers(run_dir)  # scancel's TERM: checkpoint at the next step boundary, do not die (signals 8)
     try:
         job, plan, partition = load_run_dir(run_dir)
         from milehpc.config.requirements import check_requirements
@@ -161,11 +167,14 @@ def _fail(comms: Any, rank: int, message: str, code: int) -> None:
     dog = comms.watchdog
     if dog.failure is not None and not dog.detected_here and message.endswith(dog.failure):
         # Another rank's failure, already reported by whoever saw it: only rank 0 repeats it.
-        _end(code, message if rank == 0 else None, rank)
-        return
-    dog.declare(message if message.startswith(f"rank {rank}") else f"rank {rank} failed: {message}")
-    dog.flush()
-    _end(code, message, rank)
+        if rank == 0:
+            _say(message, rank)
+    else:
+        dog.declare(message if message.startswith(f"rank {rank}") else f"rank {rank} failed: {message}")
+        _say(message, rank)
+    # The launcher ends every rank at the first non-zero exit: not before the others heard and rank 0 said it.
+    dog.settle()
+    _end(code, None, rank)
 
 
 def main(argv: list[str] | None = None) -> None:

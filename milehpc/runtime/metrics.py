@@ -4,6 +4,7 @@ progress display (a rich bar on a terminal, one plain line per step otherwise, e
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,8 +18,6 @@ PROGRESS = (("rollout/reward_mean", "reward", "{:.3f}"), ("train/actor/kl", "kl"
 def rich_progress(stream: TextIO) -> bool:
     """A live bar only on a real terminal. Under mpirun a rank's stdout is a pty even when the user's is a file,
     so ``milehpc run`` decides for its ranks through ``MILEHPC_PROGRESS`` (rich | plain)."""
-    import os
-
     mode = os.environ.get("MILEHPC_PROGRESS")
     if mode:
         return mode == "rich"
@@ -34,11 +33,8 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total = total_steps
         self.jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.tensorboard = tensorboard
+        self.writer = self._tensorboard_writer(None)
         self.stream = stream or sys.stdout
         self.start = time.time()
         self.first_step: int | None = None
@@ -52,6 +48,30 @@ class MetricsLogger:
             self.task = self.bar.add_task("rl", total=total_steps, info="", completed=0)
             self.bar.start()
         self.quiet = not progress
+
+    def _tensorboard_writer(self, purge_step: int | None) -> Any:
+        if not self.tensorboard:
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
+
+    def continue_from(self, step: int) -> None:
+        """A resumed run logs ``step`` and later again: drop those records from ``metrics.jsonl`` (rewritten
+        atomically) and have TensorBoard purge its events from ``step`` on, so every step has one record."""
+        path = self.run_dir / "metrics.jsonl"
+        self.jsonl.close()
+        # Each kept record ends its line (a kill between a record and its newline must not glue the next one on).
+        kept = [line.rstrip("\n") + "\n" for line in path.read_text(encoding="utf-8").splitlines()
+                if _record_step(line) < step]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+        self.jsonl = path.open("a", encoding="utf-8")
+        if self.writer is not None:
+            self.writer.close()
+            # TensorBoard hides this run's events at or after purge_step that an earlier file holds.
+            self.writer = self._tensorboard_writer(step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.first_step is None:
@@ -88,7 +108,8 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of ``RUN_DIR/metrics.jsonl`` (a restarted run appends; the last record per step wins)."""
+    """The records of ``RUN_DIR/metrics.jsonl``, one per step (a resumed run rewrites the file from its step on;
+    should an older file hold a step twice, the last record wins; a line torn by a killed run is skipped)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         from milehpc.errors import MilehpcError
@@ -96,7 +117,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         raise MilehpcError("no metrics.jsonl in this run directory", file=str(path))
     by_step: dict[int, dict[str, Any]] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
+        if line.strip() and _record_step(line) != float("inf"):
             rec = json.loads(line)
             by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
@@ -130,3 +151,11 @@ def plot_rewards(run_dir: str | Path, out: str | Path | None = None, key: str = 
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def _record_step(line: str) -> float:
+    """The step of one ``metrics.jsonl`` line; a torn last line (a killed run) counts as past every step."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")

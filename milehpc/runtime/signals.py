@@ -25,11 +25,27 @@ Paths (``RUN_DIR`` = the run directory, shared by all nodes; ``CTL = RUN_DIR/.mi
 5. The job script waits for the launch step (``wait`` returns early when a trapped signal arrives: wait again
    until the step itself has ended), and if its status is 75 and ``SLURM_RESTART_COUNT`` (0 on the first run)
    is below ``checkpoint.max_restarts``, runs ``scontrol requeue "$SLURM_JOB_ID"``; otherwise it exits with
-   the status (75 then tells the user to ``milehpc submit --resume RUN_DIR``).
+   the status (75 then tells the user to ``milehpc submit --resume RUN_DIR``). Only a job that Slurm still
+   has RUNNING is requeued: after ``scancel`` it is COMPLETING, and Slurm would requeue even that (measured,
+   22.05), so the script asks ``scontrol show job`` first; it then says how to resume and exits 75, as it does
+   when Slurm refuses the requeue.
 6. A restarted job knows it is one: ``SLURM_RESTART_COUNT`` (Slurm), exported to the ranks as
    ``MILEHPC_RESTART_COUNT`` (:func:`restart_count`); with ``checkpoint.resume`` on (the default) the ranks load
    the newest complete checkpoint whether or not this is a restart, so ``milehpc submit --resume`` needs
    nothing more than resubmitting the same script.
+7. **A manual stop** (``milehpc stop JOBID|RUN_DIR``, :mod:`milehpc.scheduler.stop` on the login node)
+   creates ``CTL/stop-request`` (:data:`STOP_FILE`) *and then* the request of 1. The ranks cannot tell it from
+   a requeue request and need not: they checkpoint and exit 75 as in 3-4. The script, once the step has ended, finds the stop file, removes it
+   and, for status 75, exits **0 without requeueing**, printing ``milehpc submit --resume RUN_DIR``; for any
+   other status it goes on as without it. The script also removes a stale stop file before it starts the ranks.
+8. **TERM to the ranks** (``scancel`` signals the batch shell *and* every task of the job's steps, then sends
+   KILL ``KillWait`` seconds later; ``srun`` forwards TERM too): each rank turns TERM into the request of 1
+   (:func:`install_rank_handlers`, called by ``milehpc launch`` before anything else) instead of dying, so the
+   ranks checkpoint at their next step boundary — within ``KillWait``, or the checkpoint is lost (the previous
+   complete one stays: commits are atomic). The script never kills the ranks: it waits for the step to end.
+   Caveat, measured with Open MPI 5.0 (PyPI wheel): an ``mpirun`` that itself gets TERM forwards it and
+   SIGKILLs its ranks about 3-4 s later, and exits 1 — under an ``mpirun`` launcher only a checkpoint that
+   commits within those seconds survives a TERM; the request file (``milehpc stop``) has no such limit.
 
 The job script side is rendered from ``sbatch/_prologue.sh.j2`` / ``job.sbatch.j2`` (they use the same
 path and exit code, re-exported by ``milehpc.render.script``). :func:`forward_signals` does the job script's
@@ -51,6 +67,7 @@ from milehpc.errors import MilehpcError
 
 CONTROL_DIR = ".milehpc"
 REQUEST_FILE = f"{CONTROL_DIR}/checkpoint-request"
+STOP_FILE = f"{CONTROL_DIR}/stop-request"
 CHECKPOINTED_FILE = f"{CONTROL_DIR}/checkpointed"
 EXIT_REQUEUE = 75
 
@@ -123,6 +140,12 @@ def forward_signals(run_dir: str | os.PathLike[str],
         request_checkpoint(run_dir, f"signal {signal.Signals(signum).name}")
 
     return {s: signal.signal(s, handler) for s in signums}
+
+
+def install_rank_handlers(run_dir: str | os.PathLike[str]) -> dict[int, Any]:
+    """A rank's side of contract item 8: TERM (``scancel``, preemption, ``mpirun`` forwarding it) becomes a
+    checkpoint request instead of killing the rank mid-step or mid-commit. Returns the previous handlers."""
+    return forward_signals(run_dir, (signal.SIGTERM,))
 
 
 class RequeueExit(MilehpcError):

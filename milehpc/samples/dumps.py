@@ -58,3 +58,12 @@ def read_rollouts(run_dir: str | Path, step: int) -> tuple[list[Sample], dict[st
 def list_steps(run_dir: str | Path) -> list[int]:
     d = Path(run_dir) / "rollouts"
     return sorted(int(p.stem.split("_")[1]) for p in d.glob("step_*.h5")) if d.is_dir() else []
+
+
+def drop_from(run_dir: str | Path, step: int) -> list[int]:
+    """Remove the dumps of ``step`` and later (a resumed run writes them again from its own samples, which after a
+    crash past the checkpoint may differ from the lost run's). Returns the steps removed."""
+    gone = [s for s in list_steps(run_dir) if s >= step]
+    for s in gone:
+        rollout_path(run_dir, s).unlink(missing_ok=True)
+    return gone

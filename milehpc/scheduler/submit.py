@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from milehpc.config.load import job_label
 from milehpc.errors import ConfigError
+from milehpc.memory import for_job
 from milehpc.render.rundir import check_paths, prepare, write_run_dir
 from milehpc.scheduler.records import add_record
 from milehpc.scheduler.slurm import dependency_args
@@ -14,7 +16,7 @@ from milehpc.scheduler.slurm import dependency_args
 
 def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir: str | None = None,
            dry_run: bool = False, resume: str | None = None, after: str | None = None,
-           sweep: str | None = None) -> dict[str, Any]:
+           sweep: str | None = None, force: bool = False) -> dict[str, Any]:
     job = None
     if resume:
         from milehpc.config.load import apply_overrides, job_from_dict
@@ -32,8 +34,11 @@ def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir
             raise ConfigError("a sweep starts new runs; resume each run directory on its own", field="--sweep")
         from milehpc.scheduler.sweep import submit_sweep
 
-        return submit_sweep(job_file, site, overrides, sweep, run_dir=run_dir, dry_run=dry_run, after=after)
+        return submit_sweep(job_file, site, overrides, sweep, run_dir=run_dir, dry_run=dry_run, after=after,
+                            force=force)
     prep = prepare(job_file, site, overrides, run_dir=run_dir, job=job)
+    # A layout whose ranks cannot fit their devices would fail after the queue: refuse it here (--force: submit).
+    for_job(prep.job, prep.plan, prep.partition, file=job_label(job_file, overrides), force=force)
     result: dict[str, Any] = {"site": prep.site.name, "run_dir": str(prep.run_dir), "plan": prep.plan.summary()}
     extra = dependency_args(after, prep.partition.scheduler)
     if extra:

@@ -55,13 +55,17 @@ def _shared_options(key: str, values: list[str], preps: list[Prepared]) -> list[
 
 
 def submit_sweep(job_file: str, site: str, overrides: tuple[str, ...], sweep: str, *, run_dir: str | None,
-                 dry_run: bool = False, after: str | None = None) -> dict[str, Any]:
+                 dry_run: bool = False, after: str | None = None, force: bool = False) -> dict[str, Any]:
     from milehpc.render.script import template_environment
 
     key, values = parse_sweep(sweep)
     base = Path(run_dir).expanduser().absolute() if run_dir else default_run_dir(load_job(job_file, overrides))
     preps = [prepare(job_file, site, (*overrides, f"{key}={v}"), run_dir=str(base / f"sweep-{i}"))
              for i, v in enumerate(values)]
+    from milehpc.memory import for_job
+
+    for prep, value in zip(preps, values, strict=True):  # every value's layout must fit its devices (--force: submit)
+        for_job(prep.job, prep.plan, prep.partition, file=f"{job_file} (with --sweep {key}={value})", force=force)
     first = preps[0]
     if first.partition.scheduler != "slurm":
         raise ConfigError(f"--sweep runs a Slurm job array; site '{first.site.name}' has no scheduler (loop over "

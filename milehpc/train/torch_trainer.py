@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from milehpc.builtin.trainers import TORCH_TRAINER_OPTIONS
+from milehpc.faults import maybe_fail
 from milehpc.samples import Sample
 
 if TYPE_CHECKING:
@@ -297,6 +298,7 @@ class TorchTrainer:
                         diff_max = max(diff_max, float(d.max()))
                         diff_sum, diff_n = diff_sum + float(d.sum()), diff_n + float(d.numel())
             grad_norm = self._clip(self.model)
+            maybe_fail("optimizer", self.steps)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if self.critic is not None:

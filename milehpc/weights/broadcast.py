@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from milehpc.errors import RuntimeFailure
+from milehpc.faults import maybe_fail
 from milehpc.weights.converters import Converter, NamedTensors
 
 if TYPE_CHECKING:
@@ -189,6 +190,7 @@ def send_weights(group: WeightSyncGroup, named_tensors: NamedTensors, version: i
     comms.bcast(header, group.source, group.ranks, what=f"weight sync (stage {group.stage}) metadata",
                 timeout=timeout)
     tensors = [t for _, t in named]
+    maybe_fail("broadcast", version)  # the receivers have the header and wait for the buckets
     in_flight: tuple[Any, torch.Tensor, int] | None = None
     for bucket in buckets:
         buf = _pack(bucket, tensors, metas, group)  # overlaps the previous bucket's broadcast

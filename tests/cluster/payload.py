@@ -60,14 +60,15 @@ def count(ctx: Any) -> None:
     """Counts steps into RUN_DIR/out/steps.txt (one line per step: step, restart), 0.2 s per step, keeping its
     cursor in a small state file written atomically. At a checkpoint request (milehpc.runtime.signals: the
     batch shell's trap on Slurm's USR1 creates the file) it saves the cursor after the step it finished,
-    acknowledges and exits 75 so that the batch script requeues the job. After a restart it counts
-    ``COUNT_AFTER_RESTART`` more steps and ends."""
+    acknowledges and exits 75 so that the batch script requeues the job. After a restart, or when it finds a
+    saved cursor (`milehpc submit --resume`), it counts ``COUNT_AFTER_RESTART`` more steps and ends."""
     from milehpc.runtime.signals import EXIT_REQUEUE, RequestWatcher
 
     out = _out(ctx)
     state = out / "state.json"
     step = json.loads(state.read_text())["next"] if state.exists() else 0
-    stop = step + int(os.environ.get("COUNT_AFTER_RESTART", "10")) if ctx.restart_count else None
+    resumed = ctx.restart_count or state.exists()
+    stop = step + int(os.environ.get("COUNT_AFTER_RESTART", "10")) if resumed else None
     watcher = RequestWatcher(ctx.run_dir, rank=ctx.comms.rank)
     print(f"payload count: starting at step {step}, restart {ctx.restart_count}", flush=True)
     with (out / "steps.txt").open("a") as fh:
@@ -79,6 +80,7 @@ def count(ctx: Any) -> None:
             _save(state, step)
             time.sleep(0.2)
             if watcher.requested():
+                time.sleep(float(os.environ.get("COUNT_CHECKPOINT_S", "0")))  # a checkpoint that takes a while
                 watcher.acknowledge(step, state)
                 print(f"payload count: checkpoint request after step {step - 1}; exiting {EXIT_REQUEUE}", flush=True)
                 sys.stdout.flush()

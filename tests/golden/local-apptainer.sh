@@ -14,7 +14,7 @@ milehpc_request_checkpoint() {
     : > "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
 }
 trap milehpc_request_checkpoint USR1 TERM
-rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
+rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request" "$MILEHPC_RUN_DIR/.milehpc/stop-request"
 
 
 # Environment of every rank (site values cite the site's user guide; job [env] last).
@@ -66,6 +66,14 @@ done
 if [ "$rc" -eq 0 ] && [ ! -e "$MILEHPC_RUN_DIR/.milehpc/step-done" ]; then
     echo "milehpc: the launcher exited 0 but the ranks never reported finishing; treating the step as failed" >&2
     rc=1
+fi
+# `milehpc stop`: the ranks checkpointed as for a requeue; end the job here, successfully, and requeue nothing.
+if [ -e "$MILEHPC_RUN_DIR/.milehpc/stop-request" ]; then
+    rm -f "$MILEHPC_RUN_DIR/.milehpc/stop-request"
+    if [ "$rc" -eq 75 ]; then
+        echo "milehpc: ranks checkpointed and stopped on request (milehpc stop); resume with: milehpc submit --resume $MILEHPC_RUN_DIR" >&2
+        exit 0
+    fi
 fi
 
 if [ "$rc" -eq 75 ]; then

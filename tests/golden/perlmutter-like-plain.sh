@@ -27,7 +27,7 @@ milehpc_request_checkpoint() {
     : > "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
 }
 trap milehpc_request_checkpoint USR1 TERM
-rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request"
+rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request" "$MILEHPC_RUN_DIR/.milehpc/stop-request"
 
 module load cudatoolkit
 module load nccl
@@ -73,13 +73,32 @@ if [ "$rc" -eq 0 ] && [ ! -e "$MILEHPC_RUN_DIR/.milehpc/step-done" ]; then
     echo "milehpc: the launcher exited 0 but the ranks never reported finishing; treating the step as failed" >&2
     rc=1
 fi
+# `milehpc stop`: the ranks checkpointed as for a requeue; end the job here, successfully, and requeue nothing.
+if [ -e "$MILEHPC_RUN_DIR/.milehpc/stop-request" ]; then
+    rm -f "$MILEHPC_RUN_DIR/.milehpc/stop-request"
+    if [ "$rc" -eq 75 ]; then
+        echo "milehpc: ranks checkpointed and stopped on request (milehpc stop); resume with: milehpc submit --resume $MILEHPC_RUN_DIR" >&2
+        exit 0
+    fi
+fi
 
 if [ "$rc" -eq 75 ]; then
+    # scancel (TERM, then KILL after KillWait) leaves the job COMPLETING, and Slurm would requeue even that: only a
+    # job Slurm still runs (wall-time warning) is requeued; one that is ending stays ended, with its checkpoint.
+    state=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | head -n 1) || state=""
+    if [ -n "$state" ] && [ "$state" != "JobState=RUNNING" ]; then
+        echo "milehpc: ranks checkpointed; the job is ending (${state#JobState=}: scancel?), not requeueing it; resume with: milehpc submit --resume $MILEHPC_RUN_DIR" >&2
+        exit "$rc"
+    fi
     restarts="${SLURM_RESTART_COUNT:-0}"
     if [ "$restarts" -lt 3 ]; then
         echo "milehpc: ranks checkpointed; requeueing (restart $((restarts + 1)) of 3)" >&2
-        scontrol requeue "$SLURM_JOB_ID"
-        exit 0
+        if scontrol requeue "$SLURM_JOB_ID"; then
+            exit 0
+        fi
+        # scancel: the job is ending, Slurm refuses the requeue; the checkpoint is there all the same.
+        echo "milehpc: Slurm refused the requeue (job cancelled?); resume with: milehpc submit --resume $MILEHPC_RUN_DIR" >&2
+        exit "$rc"
     fi
     echo "milehpc: ranks checkpointed but max_restarts (3) is reached; resume with: milehpc submit --resume $MILEHPC_RUN_DIR" >&2
 fi

@@ -53,7 +53,12 @@ class LoopCheckpoint:
       sent in an *outbox* until the trainer has trained it (a weight notice of version v means batches < v were
       trained); the checkpoint holds the outbox (HDF5), and a resumed rollout rank sends it again before generating
       anything new. After a resume the trainer pushes its weights once (the engines are rebuilt from the seeded
-      init).
+      init). Those weights may be newer than the ones the engine held (between two syncs, or at the end), but no
+      batch is ever generated with them: a rollout rank reads a notice only between generations, and in every
+      deterministic schedule (sync, one-step-off, async with ``async_weights = "scheduled"``) only when it
+      waits for a weight version it does not have — the next sync after the checkpoint's step. Every batch it
+      could still generate with its old weights, it generated before it joined the checkpoint (they are in the
+      outbox); the next batch needs the next sync, which replaces the pushed weights before it is generated.
 
     What each rank writes: ``rank-N.pt`` = {"trainer": TrainerSide.state_dict(), "rollout": RolloutSide
     .state_dict() (scalars, the engine's state, the outbox's batch numbers and stats)} and ``rank-N.h5`` = the
@@ -159,12 +164,13 @@ class LoopCheckpoint:
 
     # ---- the trainer ranks' (and colocated ranks') step boundary -----------------------------------------
     def step_done(self, step: int, *, trainer: TrainerSide, rollout: RolloutSide | None = None,
-                  mailbox: Mailbox | None = None) -> None:
+                  mailbox: Mailbox | None = None, final: bool = False) -> None:
         """After step ``step`` (0-based) was trained, on every trainer rank (and every colocated rank, with its
-        ``rollout`` side): checkpoint if due, and stop if a requeue was asked. Separate groups: trainer rank 0
-        tells the rollout ranks through its ``mailbox``."""
+        ``rollout`` side): checkpoint if due, and stop if a requeue was asked. ``final``: the loop ends after this
+        step although steps remain (``run.target_reward`` reached) — that end is checkpointed like the last step.
+        Separate groups: trainer rank 0 tells the rollout ranks through its ``mailbox``."""
         done = step + 1
-        last = done >= self.job.run.steps
+        last = final or done >= self.job.run.steps
         requested = self.watcher.requested()
         if self.separated:
             decision = self._decide_for_groups(done, requested, last, mailbox)

@@ -72,7 +72,7 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
             stop = comms.bcast(leader and side.target_reached(metrics), 0, everyone, what="stop flag")
             if leader:
                 side.report(step, metrics, all_groups)
-            checkpointing.step_done(step, trainer=side, rollout=rollout)
+            checkpointing.step_done(step, trainer=side, rollout=rollout, final=stop)
             if stop:
                 break
     finally:

@@ -60,12 +60,13 @@ def run_local(job: JobSpec, run_dir: str | Path | None = None, *, progress: bool
             load_in_place(rollout, trainer.export_weights(), trainer.version)
             metrics["time/sync"] = time.perf_counter() - t1
             metrics["time/step"] = time.perf_counter() - t0
+            stop = side.target_reached(metrics)  # before report() adds this step to the history it averages
             side.report(step, metrics, groups)
             if on_step is not None:
                 on_step(step, metrics)
             if ckpt is not None:
-                ckpt.step_done(step, trainer=side, rollout=rollout)
-            if side.target_reached(metrics):
+                ckpt.step_done(step, trainer=side, rollout=rollout, final=stop)
+            if stop:
                 break
     finally:
         side.close()

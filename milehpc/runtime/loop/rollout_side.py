@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from milehpc.config.job import ROLLOUT_LOOP_OPTIONS
+from milehpc.faults import maybe_fail
 from milehpc.runtime.loop.rollout_metrics import new_stats
 from milehpc.runtime.loop.state import LoopState
 from milehpc.samples import Group, Sample, Status
@@ -74,6 +75,7 @@ class RolloutSide:
     def produce(self) -> tuple[list[Group], dict[str, float]]:
         """Groups for the next step (scored, filtered) and raw counters for the metrics."""
         ro = self.job.rollout
+        maybe_fail("generate", self.state.step)
         stats = new_stats()
         need = self.quota
         groups, self.state.ready = self.state.ready[:need], self.state.ready[need:]

@@ -3,9 +3,10 @@
 Engine leaders generate their share of each step's prompts, score them and send the finished groups to trainer
 rank 0 (:mod:`~milehpc.runtime.loop.protocol`). Between generations only — never during one (the Miles rule) — a
 rollout rank takes the weight notices that are due: ``sync`` generates batch k with the weights after step k-1,
-``one_step_off`` with those after step k-2 (batch k+1 is generated while step k trains), ``async`` takes whatever
-has arrived and runs at most ``run.max_staleness`` batches ahead (:func:`~milehpc.runtime.loop.schedule.
-required_version`). The last notice is a stop, answered by a "bye" from each engine leader after its last batch,
+``one_step_off`` with those after step k-2 (batch k+1 is generated while step k trains), ``async`` runs at most
+``run.max_staleness`` batches ahead (:func:`~milehpc.runtime.loop.schedule.required_version`) and, with
+``run.async_weights = "latest"``, takes whatever weights have arrived; with ``"scheduled"`` it generates each batch
+with exactly the version it requires, so the run is a function of the seed alone and resumes bitwise. The last notice is a stop, answered by a "bye" from each engine leader after its last batch,
 so nothing is in flight at shutdown.
 
 Engines that receive the weight bytes directly (SGLang, :mod:`milehpc.weights.sglang`) also swap health flags with
@@ -65,6 +66,8 @@ class SeparateRollout:
             # Batches generated before the checkpoint that the trainer had not trained yet: send them again.
             box.send((BATCH, sent.batch, sent.groups, sent.stats), 0, TAG_BATCH,
                      f"batch {sent.batch} to trainer rank 0")
+        # async "latest": take any weights that arrived; every other schedule waits for exactly the version it needs
+        latest = job.run.loop == "async" and job.run.async_weights == "latest"
         running = True
         while running:
             b = side.state.step
@@ -75,7 +78,7 @@ class SeparateRollout:
                     continue
                 if side.state.weight_version < required_version(job, b):
                     running = self.take_notice(block=True)
-                elif job.run.loop == "async" and (got := box.poll(0, TAG_NOTICE)) is not None:
+                elif latest and (got := box.poll(0, TAG_NOTICE)) is not None:
                     running = self.apply_notice(got[0])
                 else:
                     break

@@ -77,7 +77,7 @@ class SeparateTrainer:
                 metrics["time/step"] = time.perf_counter() - t0
                 if self.leader:
                     side.report(step, metrics, groups)
-                self.ckpt.step_done(step, trainer=side, mailbox=self.box)
+                self.ckpt.step_done(step, trainer=side, mailbox=self.box, final=last)
                 if last:
                     break
             if self.leader:

@@ -97,8 +97,9 @@ class TrainerSide:
         if metrics.get("time/step"):
             metrics["perf/tokens_per_s"] = (tokens + metrics.get("rollout/gen_tokens", 0.0)) / metrics["time/step"]
         metrics["time/elapsed"] = time.time() - self.started
-        if not self.history:
+        if self.static:  # once per process: a resumed run records the layout it resumed at too
             metrics.update(self.static)
+            self.static = {}
         self.history.append({"step": step, **metrics})
         if self.metrics is not None:
             self.metrics.log(step, metrics)
@@ -122,11 +123,22 @@ class TrainerSide:
 
     # -- checkpoint --
     def state_dict(self) -> dict[str, Any]:
-        return {"loop": self.state.state_dict(), "trainer": self.trainer.state_dict_for_checkpoint()}
+        out = {"loop": self.state.state_dict(), "trainer": self.trainer.state_dict_for_checkpoint(),
+               # the last steps' rewards: a resumed run judges run.target_reward over the same window
+               "recent": [{"step": h["step"], "rollout/reward_mean": h["rollout/reward_mean"]}
+                          for h in self.history[-schedule.TARGET_WINDOW:] if "rollout/reward_mean" in h]}
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state.load_state_dict(state["loop"])
         self.trainer.load_checkpoint_state(state["trainer"])
+        self.history = [dict(h) for h in state.get("recent", [])]
+        if self.metrics is not None:  # the restored step's records and later ones are written again
+            self.metrics.continue_from(self.state.step)
+        if self.leader and self.run_dir is not None:
+            from milehpc.samples.dumps import drop_from
+
+            drop_from(self.run_dir, self.state.step)
 
 
 def world_facts(comms: Comms) -> dict[str, float]:

@@ -1,0 +1,64 @@
+"""`milehpc stop RUN_DIR` on the real RL loop (1 trainer + 1 rollout rank under the rendered local script's mpirun):
+the ranks commit a checkpoint at a step boundary and the script exits 0 without a requeue; the resumed run
+(`milehpc submit --resume RUN_DIR`) starts from that checkpoint and reaches the end of the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ckpt_helpers import job_toml, prepare_local, start_script
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+STEPS = 12
+
+
+def _milehpc(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MILEHPC_STATE_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "milehpc", *args], capture_output=True, text=True, env=env,
+                          timeout=120, check=True)
+
+
+def _steps_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_stop_the_rl_loop_then_resume_to_the_end(tmp_path: Path) -> None:
+    from milehpc.checkpoint import list_checkpoints
+
+    # 1 s per step (the reward sleeps): the stop lands mid-run whatever the machine's load.
+    run_dir = prepare_local(tmp_path, "run", job_toml(STEPS, env={"MILEHPC_TEST_REWARD_DELAY": "1"}))
+    proc = start_script(run_dir)
+    try:
+        deadline = time.monotonic() + 300
+        while _steps_logged(run_dir) < 2:
+            assert proc.poll() is None, (run_dir / "logs" / "job.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, "2 steps not within 300 s"
+            time.sleep(0.2)
+        out = _milehpc(tmp_path, "stop", str(run_dir)).stdout  # no job record: a run directory is enough
+        assert "asked any job running there to checkpoint and stop" in out, out
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (run_dir / "logs" / "job.out").read_text()
+    assert "ranks checkpointed and stopped on request (milehpc stop)" in log, log[-3000:]
+    stopped = json.loads((run_dir / ".milehpc" / "checkpointed").read_text())["step"]
+    assert 2 <= stopped < STEPS and list_checkpoints(run_dir / "checkpoints")[0].step == stopped
+
+    res = json.loads(_milehpc(tmp_path, "submit", "--resume", str(run_dir), "--site", "local", "--json").stdout)
+    pid = int(res["job_id"].removeprefix("local-"))
+    deadline = time.monotonic() + 300
+    while Path(f"/proc/{pid}").exists():
+        assert time.monotonic() < deadline, "the resumed run did not end within 300 s"
+        time.sleep(0.3)
+    log = (run_dir / "logs" / "local.out").read_text()
+    assert f"(step {stopped}, restart 0" in log and "milehpc: resumed from" in log, log[-3000:]
+    assert list_checkpoints(run_dir / "checkpoints")[0].step == STEPS, log[-3000:]  # the end of the run
