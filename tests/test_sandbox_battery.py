@@ -94,12 +94,19 @@ class Host:
         return out
 
 
+def _outside_tmp() -> Path:
+    """Where the fake run dir goes: not under /tmp (the sandbox has a /tmp of its own, where a program may create
+    the run dir's path for itself, so a run dir there proves less): this checkout, unless it is itself under /tmp
+    (a clone in /tmp), then /var/tmp (absent in the sandbox like every host dir not bound)."""
+    here = Path(__file__).resolve().parent
+    return Path("/var/tmp") if here.is_relative_to("/tmp") else here
+
+
 @pytest.fixture
 def host(monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
     token = os.urandom(8).hex()
     monkeypatch.setenv("MILEHPC_BATTERY_SECRET", token)  # a host secret a /proc trick would look for
-    # Not under /tmp: the sandbox has a /tmp of its own, so a run dir there would prove less.
-    root = Path(tempfile.mkdtemp(prefix=".battery-", dir=Path(__file__).parent))
+    root = Path(tempfile.mkdtemp(prefix=".battery-", dir=_outside_tmp()))
     try:
         yield Host(root, token)
     finally:

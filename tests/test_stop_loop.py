@@ -1,6 +1,6 @@
-"""`milehpc stop RUN_DIR` on the real RL loop (1 trainer + 1 rollout rank under the rendered local script's mpirun):
-the ranks commit a checkpoint at a step boundary and the script exits 0 without a requeue; the resumed run
-(`milehpc submit --resume RUN_DIR`) starts from that checkpoint and reaches the end of the run."""
+"""`milehpc stop RUN_DIR` and a `run.target_reward` end on the real RL loop (1 trainer + 1 rollout rank under the
+rendered local script's mpirun): the ranks commit a checkpoint at a step boundary and the script exits 0 without a
+requeue; the resumed run (`milehpc submit --resume RUN_DIR`) starts from that checkpoint and goes on."""
 
 from __future__ import annotations
 
@@ -62,3 +62,28 @@ def test_stop_the_rl_loop_then_resume_to_the_end(tmp_path: Path) -> None:
     log = (run_dir / "logs" / "local.out").read_text()
     assert f"(step {stopped}, restart 0" in log and "milehpc: resumed from" in log, log[-3000:]
     assert list_checkpoints(run_dir / "checkpoints")[0].step == STEPS, log[-3000:]  # the end of the run
+
+
+def test_a_target_reward_end_leaves_a_checkpoint_that_submit_resume_continues(tmp_path: Path) -> None:
+    """run.target_reward ends the run early (every mean reward is >= 0): the end is checkpointed like the last step,
+    and `milehpc submit --resume` continues from it (the restored target window ends it again one step later)."""
+    from milehpc.checkpoint import list_checkpoints, resume_run_dir
+
+    window = 10  # schedule.TARGET_WINDOW
+    run_dir = prepare_local(tmp_path, "run", job_toml(STEPS + 4, add={"run": "target_reward = 0.0"}))
+    assert start_script(run_dir).wait(timeout=300) == 0, (run_dir / "logs" / "job.out").read_text()[-3000:]
+    newest = list_checkpoints(run_dir / "checkpoints")[0]
+    assert newest.step == window and resume_run_dir(run_dir)["step"] == window
+    assert {"rank-00000.pt", "rank-00001.pt", "rank-00001.h5"} <= set(newest.manifest["files"])  # both ranks
+
+    res = json.loads(_milehpc(tmp_path, "submit", "--resume", str(run_dir), "--site", "local", "--json").stdout)
+    pid = int(res["job_id"].removeprefix("local-"))
+    deadline = time.monotonic() + 300
+    while Path(f"/proc/{pid}").exists():
+        assert time.monotonic() < deadline, "the resumed run did not end within 300 s"
+        time.sleep(0.3)
+    log = (run_dir / "logs" / "local.out").read_text()
+    assert f"(step {window}, restart 0" in log, log[-3000:]
+    assert list_checkpoints(run_dir / "checkpoints")[0].step == window + 1, log[-3000:]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(window + 1))

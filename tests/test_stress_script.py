@@ -35,10 +35,14 @@ def test_counts_per_test_summarises_and_stops_its_load(tmp_path: Path) -> None:
             leftover = _session_processes(proc.pid)
             subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], capture_output=True)  # only this session
     out = log.read_text()
-    rows = {line.split()[0]: line.split()[1:4] for line in out.splitlines() if line.startswith("test_tiny::")}
+    # The test's id carries the path of tmp_path relative to pytest's rootdir, which depends on where the
+    # checkout is (a clone under /tmp gives "pytest-of-root.pytest-N.<test dir>.test_tiny::..."): keep its end.
+    rows = {line.split()[0].rsplit(".", 1)[-1]: line.split()[1:4] for line in out.splitlines()
+            if "test_tiny::" in line.split()[0]}
     assert rows == {"test_tiny::test_passes": ["2", "0", "0"], "test_tiny::test_fails": ["0", "2", "0"]}, out
     assert out.splitlines()[-1].startswith("stress: 2 tests x 2 repetitions under 1 busy loops: 2 passed, 2 failed")
-    assert "failing: test_tiny::test_fails" in out.splitlines()[-1]
+    last = out.splitlines()[-1]
+    assert "failing: " in last and last.endswith("test_tiny::test_fails"), last
     assert leftover == []  # the busy loop is gone with the script
 
 
