@@ -25,6 +25,17 @@ def _milehpc(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=120, check=True)
 
 
+def _resume_to_end(tmp_path: Path, run_dir: Path) -> str:
+    """`milehpc submit --resume RUN_DIR` on the local site; wait until that run ended and return its log."""
+    res = json.loads(_milehpc(tmp_path, "submit", "--resume", str(run_dir), "--site", "local", "--json").stdout)
+    pid = int(res["job_id"].removeprefix("local-"))
+    deadline = time.monotonic() + 300
+    while Path(f"/proc/{pid}").exists():
+        assert time.monotonic() < deadline, "the resumed run did not end within 300 s"
+        time.sleep(0.3)
+    return (run_dir / "logs" / "local.out").read_text()
+
+
 def _steps_logged(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -53,13 +64,7 @@ def test_stop_the_rl_loop_then_resume_to_the_end(tmp_path: Path) -> None:
     stopped = json.loads((run_dir / ".milehpc" / "checkpointed").read_text())["step"]
     assert 2 <= stopped < STEPS and list_checkpoints(run_dir / "checkpoints")[0].step == stopped
 
-    res = json.loads(_milehpc(tmp_path, "submit", "--resume", str(run_dir), "--site", "local", "--json").stdout)
-    pid = int(res["job_id"].removeprefix("local-"))
-    deadline = time.monotonic() + 300
-    while Path(f"/proc/{pid}").exists():
-        assert time.monotonic() < deadline, "the resumed run did not end within 300 s"
-        time.sleep(0.3)
-    log = (run_dir / "logs" / "local.out").read_text()
+    log = _resume_to_end(tmp_path, run_dir)
     assert f"(step {stopped}, restart 0" in log and "milehpc: resumed from" in log, log[-3000:]
     assert list_checkpoints(run_dir / "checkpoints")[0].step == STEPS, log[-3000:]  # the end of the run
 
@@ -76,13 +81,7 @@ def test_a_target_reward_end_leaves_a_checkpoint_that_submit_resume_continues(tm
     assert newest.step == window and resume_run_dir(run_dir)["step"] == window
     assert {"rank-00000.pt", "rank-00001.pt", "rank-00001.h5"} <= set(newest.manifest["files"])  # both ranks
 
-    res = json.loads(_milehpc(tmp_path, "submit", "--resume", str(run_dir), "--site", "local", "--json").stdout)
-    pid = int(res["job_id"].removeprefix("local-"))
-    deadline = time.monotonic() + 300
-    while Path(f"/proc/{pid}").exists():
-        assert time.monotonic() < deadline, "the resumed run did not end within 300 s"
-        time.sleep(0.3)
-    log = (run_dir / "logs" / "local.out").read_text()
+    log = _resume_to_end(tmp_path, run_dir)
     assert f"(step {window}, restart 0" in log, log[-3000:]
     assert list_checkpoints(run_dir / "checkpoints")[0].step == window + 1, log[-3000:]
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \

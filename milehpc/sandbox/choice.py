@@ -7,7 +7,6 @@ site names one), else ``bubblewrap``; the image likewise. Inside a job the ranks
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import threading
@@ -113,6 +112,8 @@ class Pool:
 
     async def arun(self, argv: list[str], *, stdin: bytes = b"", files: dict[str, str | bytes] | None = None,
                    limits: Limits = Limits()) -> RunResult:
+        import asyncio  # here, not at the top: the login node imports this module (check/resolve) on every plan
+
         return await asyncio.to_thread(self.run, argv, stdin=stdin, files=files, limits=limits)
 
 
