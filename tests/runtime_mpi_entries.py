@@ -159,12 +159,13 @@ def colocated(ctx: Any) -> None:
 
 
 def die(ctx: Any) -> None:
-    """Rank 2 is killed (SIGKILL) while the others wait for it in a weight sync / a barrier."""
+    """Rank 2 is killed (SIGKILL, or ``MILEHPC_TEST_DIE_SIGNAL``) while the others wait for it in a weight sync /
+    a barrier."""
     comms = ctx.comms
     _write(ctx, {"rank": comms.rank, "pid": os.getpid(), "started": time.time()})
     if comms.rank == 2:
         time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.Signals[os.environ.get("MILEHPC_TEST_DIE_SIGNAL", "SIGKILL")])
     if comms.sync_groups:
         from milehpc.weights.sync import sync_weights
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -177,6 +178,18 @@ def test_killed_rank_is_named_within_timeout(tmp_path: Path, flags: tuple[str, .
         assert ("process rank 2 with PID" in proc.stderr or "rank 2 (pid" in proc.stderr), proc.stderr[-3000:]
     killed_at = json.loads((run / "out" / "rank-2.json").read_text())["started"] + 0.5
     assert time.time() - killed_at < timeout + 10  # ended by milehpc, not by the test's own timeout
+
+
+def test_rank_dying_in_native_code_says_where(tmp_path: Path) -> None:
+    """A segfault leaves no Python traceback: the rank's fault handler prints its stack into the job's log, and
+    the others still end naming it."""
+    needs_ulfm()
+    run = write_run_dir(tmp_path / "run", {"trainer": {"pp": 2}, "rollout": {"engines": 2},
+                                           "resources": {"collective_timeout_s": 20}})
+    proc, _ = mpirun(run, "die", flags=("--with-ft", "ulfm"), env={"MILEHPC_TEST_DIE_SIGNAL": "SIGSEGV"})
+    _assert_ended_naming(proc, "gone", 2)
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r'File ".*runtime_mpi_entries\.py", line \d+ in die', proc.stderr), proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -204,3 +205,38 @@ def test_launch_without_a_run_dir_is_one_line_exit_2(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [
         f"milehpc: error: rank 0: {tmp_path / 'nope' / 'job.json'}: file not found (is this a run directory "
         "written by `milehpc submit`?)"]
+
+
+def test_liveness_check_survives_a_clock_step_and_sees_death_and_pid_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A neighbour rank is alive while its process runs, whatever the wall clock does: /proc/stat's btime moves by a
+    whole second when the clock is slewed or stepped (CI saw a live rank 0 reported "gone"), so the check must not
+    depend on it. A killed process (zombie, then reaped) and a reused pid are not alive."""
+    import dataclasses
+
+    import psutil
+
+    from milehpc.comm import watchdog
+
+    # the neighbour describes itself, as a rank does at start-up
+    child = subprocess.Popen([sys.executable, "-c", "import dataclasses, json, time; from milehpc.comm import watchdog; "
+                              "print(json.dumps(dataclasses.astuple(watchdog.this_peer(1))), flush=True); "
+                              "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        peer = watchdog.Peer(*json.loads(child.stdout.readline()))
+        assert peer.pid == child.pid
+        assert watchdog._alive(peer)
+        booted = psutil.boot_time()
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: booted + 1.0)  # btime after a clock step
+        assert watchdog._alive(peer)
+        assert not watchdog._alive(dataclasses.replace(peer, started=peer.started + 1))  # the pid, reused
+        child.kill()
+        deadline = time.monotonic() + 10
+        while watchdog._alive(peer):  # dead but not reaped: a zombie, which is not alive either
+            assert time.monotonic() < deadline, "a killed process still looks alive"
+            time.sleep(0.01)
+        child.wait(timeout=10)
+        assert not watchdog._alive(peer)
+    finally:
+        child.kill()
+        child.wait()

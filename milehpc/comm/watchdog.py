@@ -30,25 +30,33 @@ class Peer:
     rank: int
     host: str
     pid: int
-    started: float  # process create time, so that a reused pid is not taken for our peer
+    started: int  # start time in clock ticks after boot, so that a reused pid is not taken for our peer
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """``/proc/PID/stat`` from field 3 (state) on: the command name before it may hold spaces and parentheses."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].decode().split()
+
+
+def _start_ticks(pid: int) -> int:
+    # The kernel's start time in ticks after boot never changes. psutil's create_time() adds /proc/stat's btime,
+    # which moves by a whole second when the clock is slewed or stepped: a live neighbour then looked dead.
+    return int(_stat_fields(pid)[19])
 
 
 def this_peer(rank: int) -> Peer:
     import socket
 
-    import psutil
-
-    return Peer(rank, socket.gethostname(), os.getpid(), psutil.Process().create_time())
+    return Peer(rank, socket.gethostname(), os.getpid(), _start_ticks(os.getpid()))
 
 
 def _alive(peer: Peer) -> bool:
-    import psutil
-
     try:
-        proc = psutil.Process(peer.pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - peer.started) < 1.0
-    except psutil.Error:
+        fields = _stat_fields(peer.pid)
+    except (OSError, IndexError, ValueError):  # no such process
         return False
+    return fields[0] != "Z" and int(fields[19]) == peer.started
 
 
 class Watchdog:

@@ -89,9 +89,12 @@ def _end_before_mpi(err: MilehpcError, rank: int) -> None:
 
 def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
     """Run this rank of the job in ``run_dir``; returns only on success (see the module docstring)."""
+    import faulthandler
+
     from milehpc.hygiene import install_log_masking
     from milehpc.runtime.signals import install_rank_handlers
 
+    faulthandler.enable()  # a rank that dies in native code (segfault, abort) still says where, in the job's log
     install_log_masking()
     install_rank_handlers(run_dir)  # scancel's TERM: checkpoint at the next step boundary, do not die (signals 8)
     try:
