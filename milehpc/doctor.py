@@ -143,9 +143,18 @@ class Doctor:
         self.check_network(part)
         self.check_modules(part)
         self.check_container(part, job)
+        self.check_versions()
         if job is not None:
             self.check_memory(job, site, part, part_name)
         return self.findings
+
+    def check_versions(self) -> None:
+        """One warning line when the installed megatron-core is not the version the tests ran against."""
+        from milehpc.config.tested_versions import TESTED_MEGATRON_CORE, version_warning
+
+        warning = version_warning("megatron-core", TESTED_MEGATRON_CORE)
+        if warning:
+            self.add("megatron-core", WARN, warning)
 
     def check_memory(self, job: Any, site: Any, part: Any, part_name: str) -> None:
         """The memory estimate (milehpc.memory) of the job's largest rank against the partition's devices."""

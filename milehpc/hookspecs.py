@@ -17,6 +17,7 @@ from milehpc.plugin_types import (
     AdvantageEstimator,
     ContainerRuntime,
     Generator,
+    Logger,
     PolicyLoss,
     RewardFunction,
     RolloutEngine,
@@ -189,6 +190,20 @@ def milehpc_sandboxes() -> Iterable[SandboxBackend]:
         def milehpc_sandboxes():
             yield SandboxBackend(name="bubblewrap", impl="milehpc.sandbox.bubblewrap:Bubblewrap",
                                  defaults={"bwrap": "bwrap", "python": "python3", "uid": 65534})
+    """
+
+
+@hookspec
+def milehpc_loggers() -> Iterable[Logger]:
+    """Register metrics loggers, selected by ``[logging] loggers`` (their parameters: ``[logging.params.NAME]``).
+    ``impl(ctx, **params)`` builds one on the trainer leader (see :class:`milehpc.plugin_types.Logger`).
+
+    Example::
+
+        @hookimpl
+        def milehpc_loggers():
+            yield Logger(name="tensorboard", impl="milehpc.runtime.loggers:TensorBoardLogger",
+                         requires=("tensorboard",))
     """
 
 

@@ -160,6 +160,14 @@ class SandboxBackend(Registered):
     contained: bool = True
 
 
+@dataclass(frozen=True)
+class Logger(Registered):
+    """A metrics logger, selected by ``[logging] loggers``: ``impl(ctx, **params)`` (``ctx`` a
+    :class:`milehpc.runtime.loggers.LoggerContext`) returns an object with ``log(step, metrics)``,
+    ``continue_from(step)`` (a resumed run logs ``step`` and later again) and ``close()``. Only the trainer leader
+    builds loggers; every one gets the same metric names and values."""
+
+
 KINDS: dict[str, tuple[str, type]] = {
     # kind -> (hook name, dataclass)
     "site": ("milehpc_sites", SiteConfig),
@@ -173,4 +181,5 @@ KINDS: dict[str, tuple[str, type]] = {
     "task": ("milehpc_tasks", Task),
     "generator": ("milehpc_generators", Generator),
     "sandbox": ("milehpc_sandboxes", SandboxBackend),
+    "logger": ("milehpc_loggers", Logger),
 }

@@ -12,6 +12,9 @@ Megatron's parallel state out of the same 2-rank world):
   step) and at TP=1 x DP=2 (resharded).
 * ``replay``  — MoE (Qwen2-MoE: 4 experts, top-2, shared expert), EP=2: routing recorded by an HF "engine" one
   weight version behind; expert choices in the trainer with and without routing replay, counted.
+* ``devices`` — the device check (``MILEHPC_DEVICE_CHECK=nccl``, set by the test for the whole launch: every
+  group above ran under it): it is on, it catches a CPU tensor on an NCCL-standing group, and the trainers'
+  float reductions (Megatron ``_dp_sum``, torch ``_all_reduce``) pass it (issue 12, fault 8).
 """
 
 from __future__ import annotations
@@ -88,13 +91,15 @@ def check_logits(comm: Any) -> dict[str, Any]:
         valid[2, 8:] = 0  # right padding
         pos = (valid.cumsum(1) - 1).clamp(min=0)
         with torch.no_grad():
-            shard = tr.module(ids, pos, attention_mask(valid))  # [B, T, V/tp]
+            dev = tr.device  # under the device check the model's inputs must go where its weights are
+            shard = tr.module(ids.to(dev), pos.to(dev), attention_mask(valid.to(dev)))  # [B, T, V/tp]
             parts = [torch.empty_like(shard) for _ in range(2)]
             dist.all_gather(parts, shard.contiguous(), group=ps.get_tensor_model_parallel_group())
-            logits = torch.cat(parts, -1)[..., :V]
+            logits = torch.cat(parts, -1)[..., :V].cpu()
             ref = hf(input_ids=ids, attention_mask=valid, position_ids=pos).logits
             targets = ids.roll(-1, 1)
-            logp, ent = vocab_parallel_logprobs(shard, targets, V, entropy=True)
+            logp, ent = (t.cpu() for t in vocab_parallel_logprobs(shard, targets.to(dev), V, entropy=True))
+            shard = shard.cpu()
             ref_lp = torch.log_softmax(ref, -1)
             ref_logp = ref_lp.gather(-1, targets[..., None])[..., 0]
             ref_ent = -(ref_lp.exp() * ref_lp).sum(-1)
@@ -207,6 +212,29 @@ def check_replay(comm: Any) -> dict[str, Any]:
             "free_total": free_total}
 
 
+def check_devices(comm: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from milehpc.comm import devcheck
+    from milehpc.train import torch_trainer
+    from milehpc.train.megatron.trainer import MegatronTrainer
+
+    out: dict[str, Any] = {"enabled": devcheck.enabled(), "simulating": devcheck.simulating(),
+                           "violations_before": devcheck.violations()}
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.float64))  # what fault 8 did: a CPU tensor on an NCCL group
+        out["cpu_tensor_caught"] = False
+    except devcheck.DevicePlacementError as err:
+        out["cpu_tensor_caught"] = "all_reduce" in str(err) and "cpu tensor" in str(err)
+    out["torch_all_reduce"] = torch_trainer._all_reduce([1.0, float(comm.Get_rank())])
+    out["torch_all_reduce_max"] = torch_trainer._all_reduce([float(comm.Get_rank())], "max")
+    tr = MegatronTrainer(_job(tp=1, dp=2), pad_id=0, vocab_size=V)
+    out["megatron_dp_sum"] = tr._dp_sum([1.0, float(comm.Get_rank())])
+    out["megatron_dp_max"] = tr._dp_sum([float(comm.Get_rank())], "max")
+    return out
+
+
 def _free_port() -> int:
     import socket
 
@@ -226,10 +254,14 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
                             world_size=comm.Get_size())
     results: dict[str, Any] = {"world_size": dist.get_world_size()}
+    from milehpc.train.megatron import cpu_adapt
+
+    cpu_adapt.apply()  # turns the device check on (MILEHPC_DEVICE_CHECK) before any group is used
     results["logits"] = check_logits(comm)
     results["path"] = check_from_path(comm, work)
     results["ckpt"] = check_ckpt(comm, work)
     results["replay"] = check_replay(comm)
+    results["devices"] = check_devices(comm)
     if comm.Get_rank() == 0:
         with open(out_path, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)

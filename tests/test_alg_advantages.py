@@ -75,12 +75,12 @@ def test_reinforce_pp_discounted_and_whitened():
     assert adv[1].tolist() == pytest.approx(w[3:] + [0.0], rel=1e-6)
 
 
-def test_reinforce_pp_resets_the_return_at_masked_tokens():
+def test_reinforce_pp_carries_the_return_through_a_masked_token():
     b = make_batch([1.0], [0], lengths=[3], masks=[[1, 0, 1]])
     adv, ret = A.reinforce_pp(b, gamma=0.5)
-    # t=2: G=1; the running return survives t=2 (mask 1), t=1 gives 0.5 and is reset (mask 0), t=0 gives 0.
-    assert ret[0].tolist() == pytest.approx([0.0, 0.5, 1.0])
-    w = _whiten([0.0, 1.0])  # whitened over the masked-in tokens only
+    # t=2: G=1; t=1 (mask 0) passes G=1 through and stores 0; t=0: 0 + 0.5 * 1 = 0.5 (one model step back).
+    assert ret[0].tolist() == pytest.approx([0.5, 0.0, 1.0])
+    w = _whiten([0.5, 1.0])  # whitened over the masked-in tokens only
     assert adv[0].tolist() == pytest.approx([w[0], 0.0, w[1]], rel=1e-6)
 
 

@@ -22,6 +22,7 @@ MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
 
 @pytest.mark.parametrize(("mode", "want"), [
     ("token-mean", (1 + 2 + 4) / 3),
+    ("token-sum", 1 + 2 + 4),  # no normaliser at all (verl #7197)
     ("seq-mean-token-sum", ((1 + 2) + 4) / 2),  # the fully masked row is not a sequence (verl)
     ("seq-mean-token-mean", ((1 + 2) / 2 + 4 / 1) / 2),
     ("seq-mean-token-sum-norm", ((1 + 2) + 4) / 2 / 3),  # horizon = the mask's width by default
@@ -35,6 +36,8 @@ def test_global_counts_dp_scale_and_horizon():
     assert Aggregator("token-mean", global_tokens=14, dp_size=2)(LOSS, MASK).item() == pytest.approx(2 * 7 / 14)
     agg = Aggregator("seq-mean-token-sum-norm", global_seqs=4, dp_size=2, horizon=10)
     assert agg(LOSS, MASK).item() == pytest.approx(7 / 4 * 2 / 10)
+    # A sum needs no global count: each of 2 ranks scales its share by 2, DDP's mean gives the union's sum.
+    assert Aggregator("token-sum", dp_size=2)(LOSS, MASK).item() == pytest.approx(2 * 7)
     with pytest.raises(ValueError, match="global_tokens"):
         Aggregator("token-mean", dp_size=2)
     with pytest.raises(ValueError, match="global_seqs"):

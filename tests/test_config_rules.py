@@ -43,6 +43,9 @@ CASES: dict[str, tuple[dict, dict, str]] = {
     "algorithm_params_fit_the_plugins": (
         {"algorithm": {"loss": "ppo_clip", "loss_params": {"clip_ratio_c": 0.5}}},
         {"algorithm": {"loss": "ppo_clip", "loss_params": {"clip_ratio_c": 0.0}}}, "algorithm.loss_params.clip_ratio_c"),
+    "overlong_buffer_fits_the_response": (
+        {"rollout": {"max_new_tokens": 8}, "algorithm": {"overlong_buffer": 8}},
+        {"rollout": {"max_new_tokens": 8}, "algorithm": {"overlong_buffer": 7}}, "algorithm.overlong_buffer"),
     "colocated_runs_sync": (
         {"resources": {"colocate": True}, "run": {"loop": "one_step_off"}},
         {"resources": {"colocate": True}, "run": {"loop": "sync"}}, "run.loop"),

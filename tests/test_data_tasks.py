@@ -7,7 +7,7 @@ import json
 import pytest
 
 from milehpc.config.job import DataSpec
-from milehpc.data.source import PromptSource, build_source, read_jsonl
+from milehpc.data.source import PromptSource, build_source, read_examples
 from milehpc.data.tasks import addition_task, match_score, reverse_task, sort_task, toy_match
 from milehpc.data.tokenizer import CharTokenizer
 from milehpc.errors import ConfigError, MilehpcError
@@ -97,13 +97,13 @@ def test_jsonl_errors_name_file_and_line(tmp_path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{oops\n')
     with pytest.raises(ConfigError, match="line 2: invalid JSON") as err:
-        read_jsonl(bad)
+        read_examples(bad)
     assert str(bad) in str(err.value)
     bad.write_text('{"question": "a"}\n')
-    with pytest.raises(ConfigError, match="key 'prompt'"):
-        read_jsonl(bad)
+    with pytest.raises(ConfigError, match="line 1: no field 'prompt'"):
+        read_examples(bad)
     with pytest.raises(ConfigError, match="not found"):
-        read_jsonl(tmp_path / "missing.jsonl")
+        read_examples(tmp_path / "missing.jsonl")
     with pytest.raises(ConfigError, match="empty"):
         PromptSource([], CharTokenizer())
 

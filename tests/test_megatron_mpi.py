@@ -3,9 +3,10 @@
 Two launches only (importing megatron, torch and transformers costs seconds per rank):
 
 * ``tests/megatron_checks.py`` on 2 ranks: Megatron vs HF logits/logprobs/entropy at TP=2, the export at TP=2,
-  dist checkpoint save -> resume (bit-exact) and resume at another TP (TP=1 x DP=2), MoE routing replay (EP=2).
-* the RL loop through ``milehpc run --site local``: GRPO with Megatron trainer ranks at TP=2 x PP=2 x DP=2 (8 ranks)
-  and the reference engine on a 9th rank; after every weight sync (Megatron -> HF converter, one sync group per
+  dist checkpoint save -> resume (bit-exact) and resume at another TP (TP=1 x DP=2), MoE routing replay (EP=2),
+  all under the device check (a CPU tensor reaching a collective of an NCCL group fails, as on a GPU).
+* the RL loop through ``milehpc run --site local``: GRPO with Megatron trainer ranks at TP=2 x PP=2 x DP=2 (8 ranks,
+  the distributed optimizer) and the reference engine on a 9th rank; after every weight sync (Megatron -> HF converter, one sync group per
   pipeline stage) the engine's logprobs match the trainer's; periodic checkpoints go through dist_checkpointing.
 """
 
@@ -36,7 +37,9 @@ def checks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = work / "out.json"
     cmd = [str(BIN / "mpirun"), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
            sys.executable, str(ROOT / "tests" / "megatron_checks.py"), str(out), str(work)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    # The device check (milehpc.comm.devcheck): the whole launch runs as if its gloo groups were NCCL groups.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**ENV, "MILEHPC_DEVICE_CHECK": "nccl"},
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -67,6 +70,17 @@ def test_dist_checkpoint_resume_is_bit_exact_and_reshards(checks: dict) -> None:
     assert got["tp1dp2_resume_step_vs_uninterrupted"] < 1e-4
 
 
+def test_device_check_is_on_and_dp_reductions_use_the_collective_device(checks: dict) -> None:
+    """Fault 8 of issue 12: with DP > 1 the trainers all-reduced CPU float64 tensors, which NCCL refuses. Under the
+    device check the whole launch above (DP=2 training steps included) ran without a placement error."""
+    got = checks["devices"]
+    assert got["enabled"] and got["simulating"]
+    assert got["cpu_tensor_caught"]  # the check is live
+    assert got["violations_before"] == 0
+    assert got["torch_all_reduce"] == [2.0, 1.0] and got["torch_all_reduce_max"] == [1.0]
+    assert got["megatron_dp_sum"] == [2.0, 1.0] and got["megatron_dp_max"] == [1.0]
+
+
 def test_routing_replay_gives_the_engines_experts(checks: dict) -> None:
     got = checks["replay"]
     assert got["replay_total"] > 50
@@ -94,6 +108,7 @@ pp = 2
 dp = 2
 micro_batch_size = 4
 lr = 1e-3
+distributed_optimizer = true
 [run]
 steps = 3
 loop = "sync"

@@ -18,8 +18,13 @@ k3 / low_var_kl                   ``d = clamp(log q - log p, -20, 20)``, ``exp(d
 k2 / mse                          ``0.5 * (log p - log q)^2``
 fully masked row                  not a sequence in the seq-mean modes; an all-masked batch gives loss 0
                                   here (verl: 0/0)
-outcome reward                    placed on the last response token; a sequence's score is the token sum
+outcome reward                    placed on the last response token (here: the last one with mask 1, when a
+                                  multi-turn response ends in an observation); a sequence's score is the token sum
+discounted returns (REINFORCE++)  over mask-1 tokens only: an observation span passes the running return
+                                  through and holds 0 (verl #7300); GAE likewise
+token-sum aggregation             the masked sum times the DP size (verl #7197)
 off-policy weights                ``exp(clamp(log pi_old - log pi_rollout, -20, 20))``, sequence level =
-                                  product of token ratios; applied to the policy-gradient term only
+                                  product of token ratios; applied to the policy-gradient term only; a token
+                                  MIS rejects keeps its place in the denominator (verl: leaves the mask)
 ================================  =========================================================================
 """

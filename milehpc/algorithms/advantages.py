@@ -2,12 +2,15 @@
 
 Every estimator reads the per-token rewards of :func:`token_level_rewards` (the scalar reward on the last
 response token unless the batch carries ``token_rewards``, e.g. after an in-reward KL penalty) and returns
-tensors that are 0 outside ``batch.response_mask``. Conventions follow verl's ``core_algos.py``:
+tensors that are 0 outside ``batch.response_mask``, in the batch's float type. Conventions follow verl's
+``core_algos.py``:
 
 - a sequence's score is the sum of its token rewards;
 - group statistics use the *unbiased* std (``torch.std``), and epsilon is added to the std, not the variance:
   ``(s - mean) / (std + eps)``;
 - a group of size 1 has mean 0 and std 1 (so its advantage is its score), RLOO leaves a lone score as is;
+- discounted returns (REINFORCE++) and GAE run over the mask-1 tokens only: an observation span (mask 0) inside a
+  multi-turn response carries the running return / GAE through unchanged and holds 0 itself;
 - batch whitening (REINFORCE++, GAE) is ``(x - mean) * rsqrt(var + 1e-8)`` with the unbiased variance over the
   masked tokens (:func:`~milehpc.algorithms.aggregation.masked_whiten`).
 
@@ -26,18 +29,44 @@ if TYPE_CHECKING:
     from milehpc.samples.batch import Batch
 
 
-def token_level_rewards(batch: Batch) -> torch.Tensor:
-    """``[B, R]`` rewards per token: ``batch.token_rewards`` if set, else the scalar reward on the last
-    response token (verl's outcome-reward layout)."""
+def _dtype(batch: Batch) -> torch.dtype:
+    """The batch's float type: a float64 batch (for checking) keeps every result in float64."""
     import torch
 
+    return torch.promote_types(batch.rewards.dtype, batch.response_mask.dtype)
+
+
+def outcome_index(batch: Batch) -> torch.Tensor:
+    """``[B]`` the response position of each row's outcome: its last token with mask 1 (the model's last token;
+    a multi-turn response that ends in an observation span keeps its reward on the model's answer, where the
+    returns and GAE can carry it back), or its last token when no token has mask 1 (-1 for an empty response)."""
+    import torch
+
+    mask = batch.response_mask
+    if mask.shape[1] == 0:
+        return batch.response_lengths - 1
+    pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last_trained = torch.where(mask > 0, pos, -1).amax(-1)
+    return torch.where(last_trained >= 0, last_trained, batch.response_lengths - 1)
+
+
+def outcome_rewards(batch: Batch, values: torch.Tensor) -> torch.Tensor:
+    """``[B, R]`` zeros with ``values[i]`` on row ``i``'s :func:`outcome_index` (rows with no response: none)."""
+    import torch
+
+    out = torch.zeros_like(batch.response_mask, dtype=_dtype(batch))
+    last = outcome_index(batch)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = values[rows].to(out.dtype)
+    return out
+
+
+def token_level_rewards(batch: Batch) -> torch.Tensor:
+    """``[B, R]`` rewards per token: ``batch.token_rewards`` if set, else the scalar reward on the outcome token
+    (:func:`outcome_index`: the last response token, as verl, unless that one has mask 0)."""
     if batch.token_rewards is not None:
         return batch.token_rewards
-    out = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-    rows = torch.nonzero(batch.response_lengths > 0).squeeze(-1)
-    last = batch.response_lengths[rows] - 1
-    out[rows, last] = batch.rewards[rows].to(out.dtype)
-    return out
+    return outcome_rewards(batch, batch.rewards)
 
 
 def group_stats(scores: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None,
@@ -93,15 +122,18 @@ def rloo(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = r_t + gamma * G_{t+1}``, the running return reset where the mask is 0 (verl's REINFORCE++)."""
+    """``G_t = r_t + gamma * G_{t+1}`` over the mask-1 tokens. A mask-0 token (an observation span inside a
+    multi-turn response, or padding) passes the running return through unchanged and stores 0 (verl #7278 /
+    #7300): earlier turns keep the outcome reward, the discount counts the model's tokens only, and a reward on a
+    mask-0 token is not trained on (like GAE below). Trailing padding stays 0: the scan starts at 0 there."""
     import torch
 
+    keep = mask > 0
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        running = torch.where(keep[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(keep[:, t], running, 0.0)
     return returns
 
 
@@ -125,7 +157,9 @@ def reinforce_pp_baseline(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gae(batch: Batch, gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE with a critic (https://arxiv.org/abs/1506.02438): ``delta_t = r_t + gamma V_{t+1} - V_t``,
-    ``A_t = delta_t + gamma lam A_{t+1}``, masked tokens skipped (their value and TD error do not propagate),
+    ``A_t = delta_t + gamma lam A_{t+1}``, masked tokens skipped (an observation span carries ``V_{t+1}`` and the
+    running GAE through unchanged, as :func:`discounted_returns` does the return; its own value and TD error do not
+    propagate and it holds 0),
     ``returns = A + V``, then ``A`` whitened over the batch (verl: ``compute_gae_advantage_return``)."""
     import torch
 
@@ -165,5 +199,5 @@ def none(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """No advantage (zeros): for losses that ignore it, such as SFT."""
     import torch
 
-    zeros = torch.zeros_like(batch.response_mask, dtype=torch.float32)
+    zeros = torch.zeros_like(batch.response_mask, dtype=_dtype(batch))
     return zeros, zeros

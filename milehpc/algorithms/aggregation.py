@@ -3,6 +3,7 @@
 Modes (the names and formulas of verl's ``agg_loss``, ``verl/trainer/ppo/core_algos.py``)::
 
     token-mean               sum_i sum_t m_it l_it / N_tokens
+    token-sum                sum_i sum_t m_it l_it                       (no normaliser; verl #7197)
     seq-mean-token-sum       sum_i (sum_t m_it l_it) / N_seqs
     seq-mean-token-mean      sum_i (sum_t m_it l_it / (n_i + 1e-8)) / N_seqs
     seq-mean-token-sum-norm  sum_i (sum_t m_it l_it) / N_seqs / horizon      (Dr. GRPO's constant normaliser)
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Aggregator:
             raise ValueError(f"unknown loss_agg_mode {self.mode!r} (expected one of: {', '.join(MODES)})")
         if self.dp_size < 1:
             raise ValueError("dp_size must be >= 1")
-        if self.dp_size > 1:
+        if self.dp_size > 1 and self.mode != "token-sum":  # a sum needs no global count
             needed = "global_tokens" if self.mode == "token-mean" else "global_seqs"
             if getattr(self, needed) is None:
                 raise ValueError(f"{needed} is required when dp_size > 1 ({self.mode})")
@@ -73,6 +74,8 @@ class Aggregator:
         if self.mode == "token-mean":
             total = self.global_tokens if self.global_tokens is not None else mask.sum()
             return masked.sum() / _at_least_one(total, masked) * self.dp_size
+        if self.mode == "token-sum":
+            return masked.sum() * self.dp_size
         counts = mask.sum(-1)
         seq = masked.sum(-1)
         if self.mode == "seq-mean-token-mean":

@@ -63,6 +63,7 @@ class Algorithm:
     needs_teacher: bool = False
     horizon: float | None = None
     names: dict[str, str] = field(default_factory=dict)
+    max_response_len: int | None = None  # rollout.max_new_tokens: the soft overlong penalty's maximal length
 
     @property
     def needs_ref(self) -> bool:
@@ -100,6 +101,7 @@ class Algorithm:
             needs_teacher=adv_entry.needs_teacher,
             horizon=float(spec.loss_agg_horizon or horizon) if (spec.loss_agg_horizon or horizon) else None,
             names={"advantage": spec.advantage, "loss": spec.loss},
+            max_response_len=horizon,
         )
 
     @classmethod
@@ -114,18 +116,31 @@ class Algorithm:
         one rank; batch whitening (REINFORCE++, GAE) needs the whole step's statistics: on a DP rank that holds
         only its share, pass ``dp_sum`` (a sum over the DP group) and the result equals the single-rank one.
         With ``kl_in_reward`` the estimator sees ``r_t - kl_coef * kl_t`` (``batch.token_rewards`` itself is
-        left as it was, so calling this twice gives the same result)."""
+        left as it was, so calling this twice gives the same result). DAPO's overlong reward shaping works the
+        same way (:func:`overlong_penalty` added to the outcome reward the estimator sees); overlong filtering
+        zeroes ``batch.response_mask`` on truncated rows first, so count the step's tokens after this call."""
         from dataclasses import replace
 
         import torch
 
-        from milehpc.algorithms.advantages import group_stats, token_level_rewards
+        from milehpc.algorithms.advantages import group_stats, outcome_rewards, token_level_rewards
         from milehpc.algorithms.kl import kl_penalty
 
         spec = self.spec
-        mask = batch.response_mask
         metrics: dict[str, float] = {}
+        if spec.overlong_filter:
+            truncated = _truncated(batch)
+            batch.response_mask = batch.response_mask * (~truncated).to(batch.response_mask.dtype).unsqueeze(-1)
+            metrics["reward/overlong_filtered_fraction"] = float(truncated.to(batch.rewards.dtype).mean())
+        mask = batch.response_mask
         source = batch
+        if spec.overlong_buffer:
+            if self.max_response_len is None:
+                raise ValueError("overlong_buffer needs the maximal response length (Algorithm.from_job)")
+            penalty = overlong_penalty(batch.response_lengths, self.max_response_len, spec.overlong_buffer,
+                                       spec.overlong_penalty).to(batch.rewards.dtype)
+            source = replace(batch, token_rewards=token_level_rewards(batch) + outcome_rewards(batch, penalty))
+            metrics["reward/overlong_penalty"] = float(penalty.mean())
         if spec.kl_in_reward and spec.kl_coef > 0:
             if batch.ref_logprobs is None:
                 raise ValueError("kl_in_reward needs batch.ref_logprobs (a reference policy)")
@@ -133,7 +148,7 @@ class Algorithm:
             if policy is None:
                 raise ValueError("kl_in_reward needs the policy's logprobs (old or rollout)")
             kl = kl_penalty(policy, batch.ref_logprobs, spec.kl_type) * mask
-            source = replace(batch, token_rewards=token_level_rewards(batch) - spec.kl_coef * kl)
+            source = replace(source, token_rewards=token_level_rewards(source) - spec.kl_coef * kl)
             metrics["reward/kl_penalty"] = float(masked_mean(kl, mask))
         if self.needs_critic and batch.values is None:
             raise ValueError(f"advantage '{self.names.get('advantage')}' needs batch.values (a critic)")
@@ -150,8 +165,8 @@ class Algorithm:
             "advantages/max": float(adv[mask > 0].max()) if mask.any() else 0.0,
             "advantages/min": float(adv[mask > 0].min()) if mask.any() else 0.0,
             # Groups whose rewards are all equal give no signal to group-relative estimators.
-            "advantages/zero_std_fraction": float(((std == 0) & (size > 1)).float().mean()),
-            "reward/failed_fraction": float(batch.failed.float().mean()) if batch.failed is not None else 0.0,
+            "advantages/zero_std_fraction": float(((std == 0) & (size > 1)).to(adv.dtype).mean()),
+            "reward/failed_fraction": float(batch.failed.to(adv.dtype).mean()) if batch.failed is not None else 0.0,
         })
         return metrics
 
@@ -186,7 +201,7 @@ class Algorithm:
                 raise ValueError(f"off_policy_correction = {spec.off_policy_correction!r} needs the rollout "
                                  "engine's logprobs (batch.rollout_logprobs)")
             weights, m = importance_weights(old, batch.rollout_logprobs, mask, spec.off_policy_correction,
-                                            spec.off_policy_level, spec.off_policy_cap)
+                                            spec.off_policy_level, spec.off_policy_cap, spec.off_policy_lower)
             pg_agg = agg.with_weights(weights)
             metrics.update(m)
         advantages = batch.advantages
@@ -220,3 +235,25 @@ class Algorithm:
             total = total + spec.value_coef * v_loss
         metrics["loss"] = float(total.detach())
         return total, metrics
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (https://arxiv.org/abs/2503.14476, verl's ``DAPORewardManager``): 0 up to
+    ``max_len - buffer`` tokens, then ``-(L - (max_len - buffer)) / buffer * factor``, so ``-factor`` at
+    ``max_len`` (a longer multi-turn response goes on down, as verl's)."""
+    import torch
+
+    over = lengths.to(torch.float64) - (max_len - buffer)
+    return torch.clamp(-over / buffer * factor, max=0.0)
+
+
+def _truncated(batch: Batch) -> torch.Tensor:
+    """``[B]`` bool: the rows whose sample hit max_new_tokens (status TRUNCATED)."""
+    import torch
+
+    from milehpc.samples import Status
+
+    if batch.samples is None:
+        raise ValueError("overlong_filter needs the batch's samples (their status says which were truncated)")
+    return torch.tensor([s.status is Status.TRUNCATED for s in batch.samples], dtype=torch.bool,
+                        device=batch.response_mask.device)

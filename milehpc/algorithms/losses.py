@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 Metrics = dict[str, float]
 
 
+def _fraction(flags: torch.Tensor, mask: torch.Tensor, like: torch.Tensor) -> float:
+    """The masked fraction of ``flags``, counted in ``like``'s dtype (a float64 batch's metric stays exact)."""
+    return float(masked_mean(flags.to(like.dtype), mask))
+
+
 def _ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor, prefix: str = "actor") -> Metrics:
     if not bool(mask.any()):
         return {f"{prefix}/ratio_mean": 1.0, f"{prefix}/ratio_max": 1.0, f"{prefix}/ratio_min": 1.0}
@@ -48,14 +53,13 @@ def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
     loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     clipped = torch.maximum(loss1, loss2)
     metrics: Metrics = {
-        "actor/clip_frac": float(masked_mean((loss2 > loss1).float(), mask)),
+        "actor/clip_frac": _fraction(loss2 > loss1, mask, ratio),
         "actor/approx_kl": float(masked_mean(-log_ratio.detach(), mask)),
     }
     if clip_ratio_c:
         loss3 = -advantages * clip_ratio_c
         dual = torch.minimum(loss3, clipped)
-        metrics["actor/clip_frac_lower"] = float(
-            masked_mean(((clipped > loss3) & (advantages < 0)).float(), mask))
+        metrics["actor/clip_frac_lower"] = _fraction((clipped > loss3) & (advantages < 0), mask, ratio)
         per_token = torch.where(advantages < 0, dual, clipped)
     else:
         metrics["actor/clip_frac_lower"] = 0.0
@@ -95,7 +99,7 @@ def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.T
     loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(loss1, loss2)
     metrics: Metrics = {
-        "actor/clip_frac": float(masked_mean((loss2 > loss1).float(), mask)),
+        "actor/clip_frac": _fraction(loss2 > loss1, mask, ratio),
         "actor/clip_frac_lower": 0.0,
         "actor/approx_kl": float(masked_mean(-log_ratio.detach(), mask)),
     }
@@ -121,7 +125,7 @@ def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Te
         clipped = torch.maximum(torch.minimum(values, old_values + clip), old_values - clip)
         loss2 = (clipped - returns).square()
         per_token = torch.maximum(loss1, loss2)
-        frac = float(masked_mean((loss2 > loss1).float(), mask))
+        frac = _fraction(loss2 > loss1, mask, values)
     else:
         per_token, frac = loss1, 0.0
     metrics: dict[str, Any] = {"critic/clip_frac": frac,

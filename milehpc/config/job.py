@@ -110,22 +110,38 @@ class AlgorithmSpec:
     advantage_params: dict[str, Any] = opt({})
     loss: str = opt("ppo_clip", pattern=NAME, expect="a policy loss name")
     loss_params: dict[str, Any] = opt({})
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
-        "token-mean"
-    )
+    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = opt("token-mean")
     kl_coef: float = opt(0.0, min=0.0)
-    kl_type: Literal["k1", "k2", "k3", "low_var_kl", "mse"] = opt("k3")
+    kl_type: Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"] = opt(
+        "k3", help="verl's names: k1 = kl, k2 = mse, k3 = low_var_kl, abs = |log p - log q|")
     kl_in_reward: bool = opt(False)
     entropy_coef: float = opt(0.0)
     off_policy_correction: Literal["none", "tis", "mis"] = opt("none")
     off_policy_level: Literal["token", "sequence"] = opt("token")
     off_policy_cap: float = opt(2.0, min=1.0)
+    off_policy_lower: float = opt(0.0, min=0.0, help="mis: ratios below this are rejected too (verl's rejection "
+                                                     "sampling uses 1 / off_policy_cap); 0 = no lower bound")
     ppo_epochs: int = opt(1, min=1)
     gamma: float = opt(1.0, min=0.0, max=1.0)
     lam: float = opt(1.0, min=0.0, max=1.0)
     value_clip: float = opt(0.5, min=0.0, help="critic value-loss clip range (0 = off)")
     value_coef: float = opt(1.0, min=0.0, help="weight of the critic's value loss when it shares the step")
     loss_agg_horizon: int = opt(0, min=0, help="seq-mean-token-sum-norm divisor; 0 = rollout.max_new_tokens")
+    overlong_buffer: int = opt(0, min=0, help="DAPO soft overlong punishment: the last this many tokens before "
+                                              "rollout.max_new_tokens ramp the reward down to -overlong_penalty; 0 = off")
+    overlong_penalty: float = opt(1.0, min=0.0, help="the soft overlong penalty at rollout.max_new_tokens")
+    overlong_filter: bool = opt(False, help="DAPO overlong filtering: truncated samples (they hit max_new_tokens) "
+                                            "train on nothing, yet join their group's statistics")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        if self.off_policy_lower and self.off_policy_correction != "mis":
+            raise ConfigError(f"off_policy_lower is the lower bound of 'mis': expected 0 with off_policy_correction "
+                              f"= {self.off_policy_correction!r}, got {self.off_policy_lower:g}", file=file,
+                              field=f"{prefix}.off_policy_lower")
+        if self.off_policy_lower >= self.off_policy_cap:
+            raise ConfigError(f"expected a value below off_policy_cap ({self.off_policy_cap:g}), got "
+                              f"{self.off_policy_lower:g}", file=file, field=f"{prefix}.off_policy_lower")
 
 
 @dataclass
@@ -134,15 +150,45 @@ class RewardSpec:
     params: dict[str, Any] = opt({})
     timeout_s: float = opt(60.0, min=0.0, help="per call of an async reward; 0 = no limit")
     max_concurrency: int = opt(64, min=1, help="async reward calls in flight at once")
+    by_source: dict[str, Any] = opt({}, help="data_source -> reward for that source's samples: a name, or "
+                                             "{name, params}; other sources get reward.name")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        from milehpc import plugins
+        from milehpc.config.schema import check_params
+
+        for source, route in self.by_source.items():
+            where = f"{prefix}.by_source.{source}"
+            name, params = reward_route(route)
+            if not name or not isinstance(params, dict):
+                raise ConfigError(f"expected a reward name or a table {{name, params}}, got {route!r}", file=file,
+                                  field=where)
+            if ":" not in name and plugins.registry("reward"):  # module:function: checked where it is imported
+                spec = plugins.lookup("reward", name, file=file, field=where)
+                check_params(spec, params, file=file, prefix=f"{where}.params")
+
+
+def reward_route(route: Any) -> tuple[str, Any]:
+    """``reward.by_source`` entry → (reward name, params); ("", None) when it is neither form."""
+    if isinstance(route, str):
+        return route, {}
+    if isinstance(route, dict) and isinstance(route.get("name"), str) and set(route) <= {"name", "params"}:
+        return route["name"], route.get("params", {})
+    return "", None
 
 
 @dataclass
 class DataSpec:
-    source: str = opt("task:sort", help="'task:NAME' (a generated task) or a local JSONL file")
+    source: str = opt("task:sort", help="'task:NAME' (a generated task), or a local .jsonl / .parquet file or "
+                                        "datasets.save_to_disk folder (verl's and slime's layouts read as they are)")
+    val_source: str | None = opt(None, help="held-out validation prompts (same forms as source)")
     params: dict[str, Any] = opt({}, help="the task's parameters")
-    prompt_key: str = opt("prompt")
-    label_key: str = opt("label")
-    chat_template: bool = opt(False)
+    prompt_key: str = opt("prompt", pattern=r"[^.\s]+(\.[^.\s]+)*", expect="a field name or dotted path",
+                          help="the prompt's field: text or chat messages [{role, content}]")
+    label_key: str = opt("label", pattern=r"[^.\s]+(\.[^.\s]+)*", expect="a field name or dotted path",
+                         help="the answer's field (dotted path); 'label' falls back to verl's reward_model.ground_truth")
+    chat_template: bool = opt(False, help="text prompts through the tokenizer's chat template too (messages always)")
+    max_prompt_tokens: int = opt(0, min=0, help="drop longer prompts at the start (counts reported); 0 = keep all")
     shuffle: bool = opt(True)
     seed: int = opt(0)
 
@@ -201,6 +247,27 @@ class SandboxSpec:
 
 
 @dataclass
+class LoggingSpec:
+    loggers: list[str] = opt(["jsonl", "tensorboard"], pattern=NAME, expect="a logger name",
+                             help="metrics loggers (plugins): jsonl, tensorboard, wandb, ...")
+    params: dict[str, dict[str, Any]] = opt({}, help="each logger's parameters, e.g. [logging.params.wandb]")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        from milehpc import plugins
+        from milehpc.config.schema import check_params
+
+        if not plugins.registry("logger"):
+            return  # no plugins loaded (MILEHPC_NO_ENTRY_POINTS): checked where the loggers are built
+        for name in self.loggers:
+            plugins.lookup("logger", name, file=file, field=f"{prefix}.loggers")
+        for name, params in self.params.items():
+            if name not in self.loggers:
+                raise ConfigError(f"expected parameters of a logger in {prefix}.loggers ({', '.join(self.loggers)})"
+                                  f", got '{name}'", file=file, field=f"{prefix}.params.{name}")
+            check_params(plugins.lookup("logger", name), params, file=file, prefix=f"{prefix}.params.{name}")
+
+
+@dataclass
 class RunSpec:
     steps: int = opt(100, min=1)
     loop: Literal["sync", "one_step_off", "async"] = opt("sync")
@@ -235,6 +302,7 @@ class JobSpec:
     checkpoint: CheckpointSpec = opt(CheckpointSpec)
     sandbox: SandboxSpec = opt(SandboxSpec)
     run: RunSpec = opt(RunSpec)
+    logging: LoggingSpec = opt(LoggingSpec)
     env: dict[str, str] = opt({}, help="extra environment for every rank")
     site: dict[str, Any] = opt({}, help="overrides of the site's partition values (same keys as a site partition)")
 

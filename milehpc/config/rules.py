@@ -107,7 +107,7 @@ def generator_params_fit_the_generator(job: JobSpec, file: str | None) -> None:
 
 
 def task_params_fit_the_task(job: JobSpec, file: str | None) -> None:
-    """data.source × data.params (× the task plugin's declared schema; a JSONL file takes no params)."""
+    """data.source × data.params (× the task plugin's declared schema; a file source takes no params)."""
     source = job.data.source
     if source.startswith("task:"):
         _plugin_params("task", source.removeprefix("task:"), job.data.params, file, field="data.source",
@@ -145,6 +145,16 @@ def algorithm_params_fit_the_plugins(job: JobSpec, file: str | None) -> None:
     _plugin_params("advantage", alg.advantage, alg.advantage_params, file, field="algorithm.advantage",
                    prefix="algorithm.advantage_params")
     _plugin_params("loss", alg.loss, alg.loss_params, file, field="algorithm.loss", prefix="algorithm.loss_params")
+
+
+def overlong_buffer_fits_the_response(job: JobSpec, file: str | None) -> None:
+    """algorithm.overlong_buffer × rollout.max_new_tokens: DAPO's soft penalty ramps over the last
+    overlong_buffer tokens before the maximal length, so the buffer must leave some length unpenalised."""
+    buffer, most = job.algorithm.overlong_buffer, job.rollout.max_new_tokens
+    if buffer >= most:
+        raise ConfigError(f"expected overlong_buffer below rollout.max_new_tokens ({most}; the penalty ramps over "
+                          f"the last overlong_buffer tokens), got {buffer}", file=file,
+                          field="algorithm.overlong_buffer")
 
 
 # ---- plugin options --------------------------------------------------------------------------------------------
@@ -291,7 +301,7 @@ def routing_replay_needs_moe(job: JobSpec, file: str | None) -> None:
 RULES: tuple[Rule, ...] = (
     trainer_options_fit_the_trainer, engine_options_fit_the_engine, generator_params_fit_the_generator,
     task_params_fit_the_task, reward_params_fit_the_reward, algorithm_params_fit_the_plugins,
-    colocated_runs_sync, stale_samples_need_a_correction, partial_rollouts_keep_their_stale_samples,
+    overlong_buffer_fits_the_response, colocated_runs_sync, stale_samples_need_a_correction, partial_rollouts_keep_their_stale_samples,
     partial_rollouts_need_the_builtin_generation,
     moe_is_built_as_qwen2, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
     megatron_has_no_critic_or_teacher, megatron_has_no_kl_reference, megatron_moe_needs_tp_1,

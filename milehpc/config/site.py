@@ -98,6 +98,7 @@ class Partition:
     env_single_node: dict[str, str] = opt({}, help="added when the job has one node")
     env_multi_node: dict[str, str] = opt({}, help="added when the job has more than one node")
     master_addr: Literal["hostname", "hostname -i", "127.0.0.1"] = opt("hostname")
+    network: bool = opt(False, help="compute nodes reach the internet (W&B logs online with mode = 'auto')")
     node_local_dir: str = opt("/tmp", pattern=r"[A-Za-z0-9_./${}-]+", expect="a path (may use ${USER})")
     containers: dict[str, ContainerPlatform] = opt({})
     sandbox: SiteSandbox = opt(SiteSandbox)

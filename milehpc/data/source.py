@@ -1,9 +1,10 @@
-"""Prompt sources: a generated task (``task:NAME``) or a local JSONL file, in a seeded order, with a cursor
-that can be saved and restored (the loop checkpoints it with the rest of its state)."""
+"""Prompt sources: a generated task (``task:NAME``) or a local file (JSONL, Parquet, a ``datasets`` folder), in a
+seeded order, with a cursor that can be saved and restored (the loop checkpoints it with the rest of its state).
+A file source checks its prompts against the tokenizer at the start (chat messages need a chat template) and
+drops prompts longer than ``data.max_prompt_tokens``, counting them in :attr:`PromptSource.summary`."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,34 +16,23 @@ from milehpc.errors import ConfigError
 @dataclass
 class Prompt:
     ids: list[int]
-    text: str
+    text: str  # as the model sees it (chat messages rendered with the template)
     label: Any
     index: int  # position in the stream (cursor value when drawn): unique within a run
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def read_jsonl(path: str | Path, prompt_key: str = "prompt", label_key: str = "label") -> list[dict[str, Any]]:
-    """Rows ``{prompt, label, metadata}`` of a JSONL file; a bad line is one error naming file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("prompt file not found", file=str(path), field="data.source")
-    rows = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"line {lineno}: invalid JSON ({err.msg})", file=str(path)) from None
-            if not isinstance(row, dict) or prompt_key not in row:
-                raise ConfigError(f"line {lineno}: expected an object with key '{prompt_key}'", file=str(path),
-                                  field="data.prompt_key")
-            meta = row.get("metadata") or {k: v for k, v in row.items() if k not in (prompt_key, label_key)}
-            rows.append({"prompt": str(row[prompt_key]), "label": row.get(label_key), "metadata": meta})
+def read_examples(path: str | Path, prompt_key: str = "prompt", label_key: str = "label", *,
+                  field: str = "data.source") -> list[dict[str, Any]]:
+    """Examples ``{prompt, label, metadata, where}`` of a JSONL / Parquet file or a ``save_to_disk`` folder (see
+    :mod:`milehpc.data.readers` and :mod:`milehpc.data.fields`); every problem is one error naming the file."""
+    from milehpc.data.fields import to_examples
+    from milehpc.data.readers import read_rows
+
+    rows = read_rows(path, field=field)
     if not rows:
-        raise ConfigError("no prompts in file", file=str(path), field="data.source")
-    return rows
+        raise ConfigError("no prompts in file", file=str(path), field=field)
+    return to_examples(rows, file=str(path), prompt_key=prompt_key, label_key=label_key)
 
 
 class PromptSource:
@@ -60,6 +50,8 @@ class PromptSource:
         self.seed, self.shuffle, self.chat_template, self.name = seed, shuffle, chat_template, name
         self.cursor = 0
         self._epoch, self._order = -1, None
+        self.summary = ""  # what was read and dropped, one line (file sources)
+        self.data_sources: set[str] = set()  # the rows' data_source values (file sources)
 
     def _index(self, position: int) -> int:
         epoch, offset = divmod(position, len(self.examples))
@@ -74,8 +66,9 @@ class PromptSource:
 
     def peek(self, position: int) -> Prompt:
         ex = self.examples[self._index(position)]
+        text = self.tokenizer.render_prompt(ex["prompt"], chat_template=self.chat_template)
         ids = self.tokenizer.encode_prompt(ex["prompt"], chat_template=self.chat_template)
-        return Prompt(ids, ex["prompt"], ex.get("label"), position, dict(ex.get("metadata") or {}))
+        return Prompt(ids, text, ex.get("label"), position, dict(ex.get("metadata") or {}))
 
     def take(self, k: int) -> list[Prompt]:
         """The next ``k`` prompts; advances the cursor."""
@@ -95,23 +88,57 @@ class PromptSource:
         self.cursor = int(state["cursor"])
 
 
-def build_source(data_spec: Any, tokenizer: Any, *, seed_offset: int = 0, file: str | None = None) -> PromptSource:
-    """The job's prompt source: ``task:NAME`` (a registered task plugin) or a JSONL path."""
+def build_source(data_spec: Any, tokenizer: Any, *, seed_offset: int = 0, file: str | None = None,
+                 split: str = "train") -> PromptSource:
+    """The job's prompt source: ``task:NAME`` (a registered task plugin) or a file; ``split = "validation"``
+    reads ``data.val_source`` instead of ``data.source``."""
     seed = data_spec.seed + seed_offset
-    source = data_spec.source
+    field = "data.val_source" if split == "validation" else "data.source"
+    source = data_spec.val_source if split == "validation" else data_spec.source
+    if not source:
+        raise ConfigError("no validation prompts: set data.val_source", file=file, field=field)
     if source.startswith("task:"):
         from milehpc import plugins
         from milehpc.config.schema import check_params
 
         name = source.split(":", 1)[1]
-        spec = plugins.lookup("task", name, file=file, field="data.source")
+        spec = plugins.lookup("task", name, file=file, field=field)
         params = check_params(spec, data_spec.params, file=file, prefix="data.params")
         examples = spec.load()(seed=seed, **params)
         return PromptSource(examples, tokenizer, seed=seed, shuffle=data_spec.shuffle,
                             chat_template=data_spec.chat_template, name=source)
-    rows = read_jsonl(source, data_spec.prompt_key, data_spec.label_key)
-    return PromptSource(rows, tokenizer, seed=seed, shuffle=data_spec.shuffle,
-                        chat_template=data_spec.chat_template, name=source)
+    rows = read_examples(source, data_spec.prompt_key, data_spec.label_key, field=field)
+    kept = fit_tokenizer(rows, tokenizer, source, data_spec.max_prompt_tokens, chat_template=data_spec.chat_template)
+    out = PromptSource(kept, tokenizer, seed=seed, shuffle=data_spec.shuffle and split == "train",
+                       chat_template=data_spec.chat_template, name=source)
+    out.data_sources = {str(ex["metadata"]["data_source"]) for ex in kept if "data_source" in ex["metadata"]}
+    dropped = len(rows) - len(kept)
+    out.summary = (f"data: {len(kept)} {split} prompts from {source}" + (
+        f"; {dropped} of {len(rows)} dropped: longer than data.max_prompt_tokens = {data_spec.max_prompt_tokens} "
+        "tokens" if dropped else ""))
+    return out
+
+
+def fit_tokenizer(examples: list[dict[str, Any]], tokenizer: Any, file: str, max_tokens: int, *,
+                  chat_template: bool) -> list[dict[str, Any]]:
+    """The examples that fit: chat messages need a tokenizer with a chat template (one error naming the first
+    such row), and with ``max_tokens > 0`` prompts longer than that are left out (all of them: an error)."""
+    from milehpc.data.fields import is_messages
+
+    if not getattr(tokenizer, "has_chat_template", False):
+        chat = next((ex for ex in examples if is_messages(ex["prompt"])), None)
+        if chat is not None:
+            raise ConfigError(f"{chat['where']}: the prompt is chat messages, but the tokenizer has no chat template "
+                              "(expected model.tokenizer = a local folder whose tokenizer_config.json has one)",
+                              file=file, field="model.tokenizer")
+    if max_tokens <= 0:
+        return examples
+    kept = [ex for ex in examples
+            if len(tokenizer.encode_prompt(ex["prompt"], chat_template=chat_template)) <= max_tokens]
+    if not kept:
+        raise ConfigError(f"every one of the {len(examples)} prompts is longer than data.max_prompt_tokens = "
+                          f"{max_tokens} tokens", file=file, field="data.max_prompt_tokens")
+    return kept
 
 
 def task_reward_name(data_spec: Any) -> str:

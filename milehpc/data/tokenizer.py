@@ -1,8 +1,9 @@
 """Tokenizers: a character vocabulary built in code for the toy tasks, or a real tokenizer from a local folder.
 
 Both expose the small surface the loop needs (``encode``, ``decode``, ``pad_id``, ``eos_id``, ``vocab_size``,
-``encode_prompt`` that applies a chat template when asked and available). Token ids never round-trip through
-text between engine and trainer; decoding is only for rewards and display.
+``render_prompt`` / ``encode_prompt`` for a prompt that is text or chat messages ``[{"role", "content"}]``: messages
+always go through the tokenizer's chat template, text only when asked and one is available). Token ids never
+round-trip through text between engine and trainer; decoding is only for rewards and display.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from milehpc.errors import ConfigError
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 # Everything the shipped toy tasks and the multi-turn toy environment print, plus room for user JSONL prompts.
 CHARS = string.digits + string.ascii_lowercase + " +-*=:,.?!<>()[]"
+PromptInput = str | list[dict[str, Any]]  # text, or chat messages
 
 
 class Tokenizer(Protocol):
@@ -29,7 +31,14 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def encode_prompt(self, text: str, *, chat_template: bool = False) -> list[int]: ...
+    def render_prompt(self, prompt: PromptInput, *, chat_template: bool = False) -> str: ...
+
+    def encode_prompt(self, prompt: PromptInput, *, chat_template: bool = False) -> list[int]: ...
+
+
+def _no_template(prompt: PromptInput) -> ConfigError:
+    return ConfigError(f"a chat-message prompt needs a tokenizer with a chat template, got {str(prompt)[:60]!r}",
+                       field="model.tokenizer")
 
 
 class CharTokenizer:
@@ -53,8 +62,13 @@ class CharTokenizer:
         # Specials are not text: drop them.
         return "".join(self.itos[i] for i in ids if i >= len(SPECIALS) and i < self.vocab_size)
 
-    def encode_prompt(self, text: str, *, chat_template: bool = False) -> list[int]:
-        return [self.bos_id, *self.encode(text)]
+    def render_prompt(self, prompt: PromptInput, *, chat_template: bool = False) -> str:
+        if not isinstance(prompt, str):
+            raise _no_template(prompt)
+        return prompt
+
+    def encode_prompt(self, prompt: PromptInput, *, chat_template: bool = False) -> list[int]:
+        return [self.bos_id, *self.encode(self.render_prompt(prompt))]
 
 
 class HFTokenizer:
@@ -78,15 +92,23 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def encode_prompt(self, text: str, *, chat_template: bool = False) -> list[int]:
-        if chat_template and self.has_chat_template:
-            out: Any = self.tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(out, dict) or hasattr(out, "input_ids"):  # BatchEncoding in newer transformers
-                out = out["input_ids"]
-            return [int(i) for i in out]
-        return list(self.tok.encode(text, add_special_tokens=True))
+    def _templated(self, prompt: PromptInput, chat_template: bool) -> bool:
+        return not isinstance(prompt, str) or (chat_template and self.has_chat_template)
+
+    def render_prompt(self, prompt: PromptInput, *, chat_template: bool = False) -> str:
+        """The prompt as the model sees it: chat messages (or text, with ``chat_template``) through the template,
+        with the assistant turn opened."""
+        if not self._templated(prompt, chat_template):
+            return str(prompt)
+        if not self.has_chat_template:
+            raise _no_template(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return str(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
+    def encode_prompt(self, prompt: PromptInput, *, chat_template: bool = False) -> list[int]:
+        # A rendered template carries its own special tokens (BOS included): add none on top.
+        text = self.render_prompt(prompt, chat_template=chat_template)
+        return list(self.tok.encode(text, add_special_tokens=not self._templated(prompt, chat_template)))
 
 
 @lru_cache(maxsize=8)

@@ -1,5 +1,6 @@
-"""What a user watches: TensorBoard scalars, a ``metrics.jsonl`` log (read by ``milehpc plot``), and a terminal
-progress display (a rich bar on a terminal, one plain line per step otherwise, e.g. under mpirun or Slurm)."""
+"""What a user watches: the job's metrics loggers (plugins: ``metrics.jsonl`` read by ``milehpc plot``, TensorBoard,
+Weights & Biases, see :mod:`milehpc.runtime.loggers`) and a terminal progress display (a rich bar on a terminal,
+one plain line per step otherwise, e.g. under mpirun or Slurm)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+from milehpc.runtime.loggers import LoggerContext, record_step
+
+if TYPE_CHECKING:
+    from milehpc.config.job import JobSpec
+
+DEFAULT_LOGGERS = ("jsonl", "tensorboard")
 
 # Shown in the progress line, in this order, when present: (metric key, label, format).
 PROGRESS = (("rollout/reward_mean", "reward", "{:.3f}"), ("train/actor/kl", "kl", "{:.4f}"),
@@ -25,16 +34,16 @@ def rich_progress(stream: TextIO) -> bool:
 
 
 class MetricsLogger:
-    """Rank 0 of the trainer group owns one of these."""
+    """Rank 0 of the trainer group owns one of these: it hands every step's metrics to each logger plugin of the
+    job (the same names and values to all) and draws the progress display."""
 
-    def __init__(self, run_dir: str | Path, total_steps: int, *, tensorboard: bool = True, progress: bool = True,
-                 stream: TextIO | None = None) -> None:
+    def __init__(self, run_dir: str | Path, total_steps: int, *, loggers: Sequence[str] = DEFAULT_LOGGERS,
+                 params: dict[str, dict[str, Any]] | None = None, context: LoggerContext | None = None,
+                 progress: bool = True, stream: TextIO | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total = total_steps
-        self.jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self.tensorboard = tensorboard
-        self.writer = self._tensorboard_writer(None)
+        self.backends = build_loggers(context or LoggerContext(self.run_dir), loggers, params or {})
         self.stream = stream or sys.stdout
         self.start = time.time()
         self.first_step: int | None = None
@@ -49,40 +58,31 @@ class MetricsLogger:
             self.bar.start()
         self.quiet = not progress
 
-    def _tensorboard_writer(self, purge_step: int | None) -> Any:
-        if not self.tensorboard:
-            return None
-        from torch.utils.tensorboard import SummaryWriter
+    @classmethod
+    def for_job(cls, job: JobSpec, run_dir: Path, *, progress: bool = True, file: str | None = None
+                ) -> MetricsLogger:
+        """The job's ``[logging]`` loggers; W&B may go online only where the run's site partition says the
+        nodes have network (``RUN_DIR/site.json``; no site file: no network)."""
+        from milehpc.config.schema import to_dict
 
-        return SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
+        site = run_dir / "site.json"
+        partition = (json.loads(site.read_text(encoding="utf-8")).get("partition") or {}) if site.is_file() else {}
+        ctx = LoggerContext(run_dir, name=job.name, config=to_dict(job), network=bool(partition.get("network")),
+                            file=file)
+        return cls(run_dir, job.run.steps, loggers=job.logging.loggers, params=job.logging.params, context=ctx,
+                   progress=progress)
 
     def continue_from(self, step: int) -> None:
-        """A resumed run logs ``step`` and later again: drop those records from ``metrics.jsonl`` (rewritten
-        atomically) and have TensorBoard purge its events from ``step`` on, so every step has one record."""
-        path = self.run_dir / "metrics.jsonl"
-        self.jsonl.close()
-        # Each kept record ends its line (a kill between a record and its newline must not glue the next one on).
-        kept = [line.rstrip("\n") + "\n" for line in path.read_text(encoding="utf-8").splitlines()
-                if _record_step(line) < step]
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, path)
-        self.jsonl = path.open("a", encoding="utf-8")
-        if self.writer is not None:
-            self.writer.close()
-            # TensorBoard hides this run's events at or after purge_step that an earlier file holds.
-            self.writer = self._tensorboard_writer(step)
+        """A resumed run logs ``step`` and later again: each logger drops what it can of those records."""
+        for backend in self.backends:
+            backend.continue_from(step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.first_step is None:
             self.first_step = step
-        record = {"step": step, "time": round(time.time() - self.start, 3),
-                  **{k: float(v) for k, v in metrics.items()}}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key, float(value), step)
+        values = {k: float(v) for k, v in metrics.items()}
+        for backend in self.backends:
+            backend.log(step, values)
         info = "  ".join(f"{label} {fmt.format(metrics[k])}" for k, label, fmt in PROGRESS if k in metrics)
         if self.bar is not None:
             self.bar.update(self.task, completed=step + 1, info=info, refresh=True)
@@ -102,9 +102,21 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-        if self.writer is not None:
-            self.writer.close()
-        self.jsonl.close()
+        for backend in self.backends:
+            backend.close()
+
+
+def build_loggers(ctx: LoggerContext, names: Sequence[str], params: dict[str, dict[str, Any]]) -> list[Any]:
+    """One logger per name (a registered ``logger`` plugin), its params checked against its schema."""
+    from milehpc import plugins
+    from milehpc.config.schema import check_params
+
+    out = []
+    for name in dict.fromkeys(names):
+        spec = plugins.lookup("logger", name, file=ctx.file, field="logging.loggers")
+        values = check_params(spec, params.get(name, {}), file=ctx.file, prefix=f"logging.params.{name}")
+        out.append(plugins.load("logger", name, file=ctx.file, field="logging.loggers")(ctx, **values))
+    return out
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -117,7 +129,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         raise MilehpcError("no metrics.jsonl in this run directory", file=str(path))
     by_step: dict[int, dict[str, Any]] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip() and _record_step(line) != float("inf"):
+        if line.strip() and record_step(line) != float("inf"):
             rec = json.loads(line)
             by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
@@ -151,11 +163,3 @@ def plot_rewards(run_dir: str | Path, out: str | Path | None = None, key: str = 
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
-
-
-def _record_step(line: str) -> float:
-    """The step of one ``metrics.jsonl`` line; a torn last line (a killed run) counts as past every step."""
-    try:
-        return float(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return float("inf")

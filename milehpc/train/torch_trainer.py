@@ -50,14 +50,12 @@ def _dist() -> tuple[int, int]:
 
 def _all_reduce(values: list[float], op: str = "sum") -> list[float]:
     """Reduce a few floats over the DP group (the default process group = the trainer ranks)."""
-    import torch
-    import torch.distributed as dist
+    from milehpc.comm.collectives import reduce_floats
 
     if _dist()[1] == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
-    return t.tolist()
+    # On the default group's device: NCCL refuses CPU tensors (issue 12, fault 8).
+    return reduce_floats(values, op)
 
 
 def _dp_sum_tensor(t: torch.Tensor) -> torch.Tensor:

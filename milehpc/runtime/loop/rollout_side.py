@@ -42,7 +42,7 @@ class RolloutSide:
         from milehpc.config.schema import merge_params
         from milehpc.data.source import build_source, task_reward_name
         from milehpc.data.tokenizer import build_tokenizer
-        from milehpc.rewards.api import RewardRunner
+        from milehpc.rewards.routing import reward_scorer
         from milehpc.rollout.reference import sampling_from_spec
 
         self.job, self.engine, self.leader = job, engine, leader
@@ -50,7 +50,10 @@ class RolloutSide:
         ro = job.rollout
         self.tokenizer = build_tokenizer(job.model.tokenizer)
         self.source = build_source(job.data, self.tokenizer, file=file)
-        self.scorer = RewardRunner.from_spec(job.reward, task_reward_name(job.data) or None, file=file)
+        self.scorer = reward_scorer(job.reward, task_reward_name(job.data) or None, sources=self.source.data_sources,
+                                    file=file)
+        if leader and engine_index == 0 and self.source.summary:  # once per job: what was read, what was dropped
+            print(self.source.summary, flush=True)
         self.sampling = sampling_from_spec(ro, self.tokenizer)
         self.generator: Callable[..., list[Sample]] | None = None
         self.generator_params: dict[str, Any] = {}

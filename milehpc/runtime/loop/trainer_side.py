@@ -36,7 +36,7 @@ class TrainerSide:
         if leader and run_dir is not None:
             from milehpc.runtime.metrics import MetricsLogger
 
-            self.metrics = MetricsLogger(run_dir, job.run.steps, progress=progress)
+            self.metrics = MetricsLogger.for_job(job, run_dir, progress=progress, file=file)
         self.started = time.time()
         self.history: list[dict[str, float]] = []
         self.static: dict[str, float] = {}  # logged with the first step (world layout facts)

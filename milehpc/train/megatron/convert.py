@@ -1,6 +1,6 @@
 """Megatron-core <-> HF (transformers) names and layouts for Llama / Qwen2 / Mixtral-shaped models.
 
-Megatron layout (local and TE specs name parameters alike for these shapes):
+Megatron layout (the local and the transformer-engine layer specs differ only in the two pre-norms, see below):
 
 * ``self_attention.linear_qkv``: Q, K and V fused and **interleaved per query group**: for each of the
   ``num_kv_heads`` groups, ``[q heads of the group (num_heads/num_kv_heads * head_dim rows), k (head_dim), v
@@ -9,6 +9,11 @@ Megatron layout (local and TE specs name parameters alike for these shapes):
   ``[gate_r; up_r]``, so gathering takes the halves of every shard apart first.
 * column-parallel (dim 0): word embeddings, output layer, qkv, fc1; row-parallel (dim 1): linear_proj, fc2;
   norms and the MoE router are replicated.
+* the transformer-engine spec fuses the pre-attention and pre-MLP RMSNorms into the following linear layer
+  (``TELayerNormColumnParallelLinear``): ``self_attention.linear_qkv.layer_norm_weight`` and
+  ``mlp.linear_fc1.layer_norm_weight`` instead of the local spec's ``input_layernorm.weight`` and
+  ``pre_mlp_layernorm.weight`` (MoE layers keep a separate ``pre_mlp_layernorm``). The converter reads both
+  spellings (:func:`local_name`) and writes either (``from_hf(..., fused_norms=True)`` for the TE spec).
 * layers are numbered per pipeline stage (``decoder.layers.0..``); the converter works with global layer indices,
   the trainer renames (each PP stage exports its own layers, as slime does with one sync group per stage).
 
@@ -43,6 +48,14 @@ _SIMPLE = {
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
+# The transformer-engine spec's fused norms (TE LayerNormLinear's ``layer_norm_weight``) -> the local spec's name.
+# megatron-core maps the same pairs in the local spec's ``sharded_state_dict_keys_map`` (checkpoints of one spec
+# load into the other); tests/test_megatron_te_contract.py checks these against megatron-core.
+_TE_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_FUSED_OF = {v: k for k, v in _TE_FUSED_NORMS.items()}
 # Fused gate/up (SwiGLU fc1) -> the HF prefix of its gate_proj/up_proj.
 _FC1 = {"mlp.linear_fc1.weight": "mlp.", "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert."}
 
@@ -58,6 +71,16 @@ def _ckpt_expert_names(arch: Arch, pre: str, e: int) -> tuple[str, str, str]:
 
 def _ckpt_router_name(arch: Arch, pre: str) -> str:
     return f"{pre}block_sparse_moe.gate.weight" if arch.model_type == "mixtral" else f"{pre}mlp.gate.weight"
+
+
+def local_name(name: str) -> str:
+    """A Megatron parameter name in the local spec's spelling (TE fused-norm names -> separate norm names)."""
+    m = _LAYER.match(name)
+    if m and m.group(2) in _TE_FUSED_NORMS:
+        return f"decoder.layers.{m.group(1)}.{_TE_FUSED_NORMS[m.group(2)]}"
+    return name
+
+
 _TOP = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -147,7 +170,7 @@ def to_hf(named: Iterable[tuple[str, torch.Tensor]], arch: Arch, *, moe_layout: 
         m = _LAYER.match(name)
         if not m:
             raise KeyError(f"megatron->hf: unknown parameter {name!r}")
-        layer, rest = int(m.group(1)), m.group(2)
+        layer, rest = int(m.group(1)), _TE_FUSED_NORMS.get(m.group(2), m.group(2))
         pre = f"model.layers.{layer}."
         if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = rest.rsplit(".", 1)[1]
@@ -190,8 +213,11 @@ def _trim_vocab(t: torch.Tensor, arch: Arch) -> torch.Tensor:
 
 
 # ---- HF -> Megatron --------------------------------------------------------------------------------------------
-def from_hf(hf: dict[str, torch.Tensor], arch: Arch, *, padded_vocab: int | None = None) -> dict[str, torch.Tensor]:
-    """A full HF state dict (transformers or checkpoint MoE layout) -> full Megatron tensors, global layer indices."""
+def from_hf(hf: dict[str, torch.Tensor], arch: Arch, *, padded_vocab: int | None = None, fused_norms: bool = False,
+            ) -> dict[str, torch.Tensor]:
+    """A full HF state dict (transformers or checkpoint MoE layout) -> full Megatron tensors, global layer indices.
+    ``fused_norms`` names the pre-norms as the transformer-engine spec does (``linear_qkv.layer_norm_weight``; dense
+    MLPs also ``linear_fc1.layer_norm_weight``); the default is the local spec's names."""
     import torch
 
     out: dict[str, torch.Tensor] = {}
@@ -221,6 +247,10 @@ def from_hf(hf: dict[str, torch.Tensor], arch: Arch, *, padded_vocab: int | None
                                                 hf[f"{pre}{hf_prefix}up_proj.weight"]])
         if arch.is_moe:
             _experts_from_hf(hf, pre, mp, arch, out)
+        if fused_norms:
+            # MoE layers: TE fuses only the input norm (the router reads the normed input, so pre_mlp stays).
+            for norm in ("input_layernorm.weight",) + (() if arch.is_moe else ("pre_mlp_layernorm.weight",)):
+                out[mp + _FUSED_OF[norm]] = out.pop(mp + norm)
     return out
 
 
@@ -260,14 +290,17 @@ def rename_layers(named: Iterable[tuple[str, torch.Tensor]], layer_offset: int =
 def local_shard(full: dict[str, torch.Tensor], local_names: Iterable[str], *, tp: int, tp_rank: int,
                 layer_offset: int, expert_offset: int = 0, expert_tp: int = 1) -> dict[str, torch.Tensor]:
     """What one rank (its PP stage, EP rank and TP rank) holds of the full Megatron tensors, by local name.
-    Routed experts are split over ``expert_tp`` ranks (the trainer keeps them whole: 1)."""
+    Routed experts are split over ``expert_tp`` ranks (the trainer keeps them whole: 1).
+    Names may be either spec's spelling on either side (:func:`local_name`)."""
+    canonical = {local_name(k): k for k in full}
     out = {}
     for local in local_names:
         (global_name, _), = rename_layers([(local, None)], layer_offset, expert_offset)  # type: ignore[list-item]
+        src = full[global_name] if global_name in full else full[canonical[local_name(global_name)]]
         if ".local_experts." in local:
-            out[local] = tp_split(local, full[global_name], expert_tp)[tp_rank % expert_tp]
+            out[local] = tp_split(local, src, expert_tp)[tp_rank % expert_tp]
         else:
-            out[local] = tp_split(local, full[global_name], tp)[tp_rank]
+            out[local] = tp_split(local, src, tp)[tp_rank]
     return out
 
 

@@ -10,7 +10,12 @@ shared/notes/gpu-stack-on-cpu.md):
 * ``torch.tensor(..., device='cuda')`` in the optimizer and grad clipping, and type checks such as
   ``param.type() == 'torch.cuda.FloatTensor'`` in the (distributed) optimizer and ``clip_grads`` -> a
   :class:`torch.overrides.TorchFunctionMode` that sends ``device='cuda'`` requests to the CPU and answers
-  ``Tensor.type()`` with the CUDA type name Megatron expects, and makes ``Tensor.cuda()`` a no-op.
+  ``Tensor.type()`` with the CUDA type name Megatron expects, and makes ``Tensor.cuda()`` a no-op
+  (:class:`milehpc.comm.devcheck.CudaOnCpu`, shared with the device check).
+
+Because ``.cuda()`` is a no-op here, a tensor left on the CPU where a GPU run needs it on CUDA (fault 8 of issue 12:
+a CPU tensor all-reduced over NCCL) would pass unseen. With ``MILEHPC_DEVICE_CHECK=nccl`` the redirect records each
+tensor's intended device and :mod:`milehpc.comm.devcheck` fails such a collective or module call on the CPU.
 
 :func:`apply` does all of this once per process and only when ``torch.cuda.is_available()`` is False; it is never
 applied on GPU runs. Cost (shared notes): ~20% on a tiny model, since the function mode sees every torch call.
@@ -37,42 +42,10 @@ def applied() -> bool:
     return _APPLIED
 
 
-def _is_cuda_device(dev: Any) -> bool:
-    import torch
-
-    if isinstance(dev, str):
-        return dev.startswith("cuda")
-    if isinstance(dev, torch.device):
-        return dev.type == "cuda"
-    return isinstance(dev, int) and not isinstance(dev, bool)  # a bare index means a CUDA ordinal
-
-
 def _make_mode() -> Any:
-    import torch
-    from torch.overrides import TorchFunctionMode
+    from milehpc.comm import devcheck
 
-    cuda_names = {
-        "torch.FloatTensor": "torch.cuda.FloatTensor",
-        "torch.HalfTensor": "torch.cuda.HalfTensor",
-        "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
-    }
-    tensor_type = torch.Tensor.type
-    tensor_cuda = torch.Tensor.cuda
-
-    class _CudaToCpu(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            kwargs = kwargs or {}
-            if func is tensor_type and len(args) == 1 and not kwargs:
-                # Megatron checks param.type() against CUDA names to pick its optimizer paths.
-                name = func(*args)
-                return cuda_names.get(name, name)
-            if func is tensor_cuda:
-                return args[0]
-            if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-                kwargs = dict(kwargs, device="cpu")
-            return func(*args, **kwargs)
-
-    return _CudaToCpu()
+    return devcheck.mode_class()()
 
 
 class CpuRNGStatesTracker:
@@ -137,6 +110,8 @@ def apply() -> bool:
     import torch
     from megatron.core.tensor_parallel import random as mrandom
 
+    from milehpc.comm import devcheck
+
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.empty_cache = lambda *a, **k: None  # type: ignore[assignment]
@@ -149,6 +124,10 @@ def apply() -> bool:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
     # The mode stays pushed for the life of the process (trainer processes only ever run this one model).
-    _make_mode().__enter__()
+    devcheck.install_cuda_on_cpu()
+    # MILEHPC_DEVICE_CHECK=nccl: record where each tensor would live on a GPU (the redirect above keeps the record)
+    # and fail on a CPU tensor reaching a collective of a group that runs NCCL on GPUs. current_device() then
+    # answers 0 as on a GPU, so Megatron's device=torch.cuda.current_device() buffers are recorded as CUDA.
+    devcheck.enable_if_requested()
     _APPLIED = True
     return True

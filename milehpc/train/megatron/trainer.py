@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from milehpc.comm.context import RunContext
     from milehpc.config.job import JobSpec
     from milehpc.samples.batch import Batch
+    from milehpc.train.megatron import packing
 
 _MASKED_LOGIT = -1e9  # padded vocabulary columns (finite: 0 * it stays 0 in the entropy)
 
@@ -115,7 +116,6 @@ class MegatronTrainer:
 
     def __init__(self, job: JobSpec, *, pad_id: int, vocab_size: int, eos_id: int = 2, algorithm: Any = None,
                  hf_model: Any = None, hf_config: Any = None) -> None:
-        import torch
 
         from milehpc.train.megatron import model as mm
 
@@ -157,13 +157,19 @@ class MegatronTrainer:
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
+        from milehpc.comm.devcheck import compute_device
+
+        # CUDA on a GPU, and under the device check on the CPU too (where it records intended devices).
+        self.device = compute_device()
         self.config = mm.transformer_config(self.arch, tr, routing_replay=self.replay,
-                                            use_cpu_initialization=not torch.cuda.is_available())
+                                            use_cpu_initialization=self.device.type == "cpu")
         self.te = mm.use_transformer_engine(tr)
+        # The TE spec's attention is causal and reads no mask: feed it packed THD sequences (no padding, as slime
+        # does). ``packed`` without ``thd`` runs the same packed rows on the local spec with a block-diagonal mask.
+        self.packed = self.te
+        self.thd = self.te
         self.module = mm.build_gpt(self.arch, self.config, tp=self.tp, te=self.te)
         self._load_hf(hf_model)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
         if self.device.type == "cuda":
             self.module.cuda()
         self.ddp, self.optimizer = self._wrap()
@@ -283,7 +289,7 @@ class MegatronTrainer:
         return mbs
 
     # ---- forward through the schedule --------------------------------------------------------------------
-    def _replay_tensors(self, mb: Batch) -> list[torch.Tensor]:
+    def _replay_tensors(self, mb: Batch, pk: packing.Packed | None = None) -> list[torch.Tensor]:
         """This stage's routing-replay indices of one micro-batch: per local MoE layer ``[T * B, k]`` in the
         router's token order (sequence-major).
 
@@ -314,33 +320,49 @@ class MegatronTrainer:
                                  f"(layers, top_k) = ({self.arch.num_layers}, {k})")
             n = min(rec.shape[0], t - start)
             idx[start:start + n, i] = rec[:n, self.layer_offset:self.layer_offset + layers]
+        if pk is not None:  # packed: the router sees the packed row's tokens in order
+            packed = torch.arange(k, dtype=torch.long).repeat(pk.length, layers, 1)  # [L, layers, k]
+            packed[: len(pk.rows)] = idx[pk.cols.cpu(), pk.rows.cpu()]
+            return [packed[:, j].contiguous().to(self.device) for j in range(layers)]
         return [idx[:, :, j].reshape(t * b, k).to(self.device) for j in range(layers)]
 
-    def _set_replay(self, mb: Batch) -> None:
+    def _set_replay(self, mb: Batch, pk: packing.Packed | None = None) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
         RouterReplay.clear_global_indices()
-        RouterReplay.set_replay_data(self._replay_tensors(mb))
+        RouterReplay.set_replay_data(self._replay_tensors(mb, pk))
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _run(self, mbs: list[Batch], loss_func: Any, *, forward_only: bool) -> list[Any]:
         """Megatron's forward(-backward) schedule over ``mbs``; returns the loss_func outputs (last stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from milehpc.train.megatron import packing
         from milehpc.train.megatron.model import attention_mask
+
+        # One packed length per step: pipeline stages exchange activations of a fixed shape.
+        length = max(packing.packed_length(mb.attention_mask) for mb in mbs) if self.packed else 0
 
         def forward_step(data_iterator: Iterator[Batch], model: Any) -> tuple[Any, Any]:
             mb = next(data_iterator)
+            if not self.packed:
+                if self.replay:
+                    self._set_replay(mb)
+                out = model(mb.input_ids, mb.position_ids, attention_mask(mb.attention_mask))
+                return out, partial(loss_func, mb)
+            pk = packing.pack(mb.input_ids, mb.attention_mask, length=length, pad_id=self.pad_id)
             if self.replay:
-                self._set_replay(mb)
-            out = model(mb.input_ids, mb.position_ids, attention_mask(mb.attention_mask))
-            return out, partial(loss_func, mb)
+                self._set_replay(mb, pk)
+            if self.thd:
+                out = model(pk.input_ids, pk.position_ids, None, packed_seq_params=packing.thd_params(pk))
+            else:
+                out = model(pk.input_ids, pk.position_ids, packing.block_causal_mask(pk))
+            return out, partial(_unpacked_loss, loss_func, mb, pk)
 
-        seq = int(mbs[0].input_ids.shape[1])
+        seq, size = (length, 1) if self.packed else (int(mbs[0].input_ids.shape[1]), int(mbs[0].size))
         fb = get_forward_backward_func()
         out = fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp],
-                 num_microbatches=len(mbs), seq_length=seq, micro_batch_size=int(mbs[0].size),
-                 forward_only=forward_only)
+                 num_microbatches=len(mbs), seq_length=seq, micro_batch_size=size, forward_only=forward_only)
         if self.replay:
             from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -375,15 +397,12 @@ class MegatronTrainer:
         return out
 
     def _dp_sum(self, values: list[float], op: str = "sum") -> list[float]:
-        import torch
-        import torch.distributed as dist
+        from milehpc.comm.collectives import reduce_floats
 
         if self.dp_size == 1:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
-                        group=self.ps.get_data_parallel_group())
-        return t.tolist()
+        # On the DP group's device: NCCL refuses CPU tensors (issue 12, fault 8).
+        return reduce_floats(values, op, group=self.ps.get_data_parallel_group())
 
     # ---- Trainer protocol ---------------------------------------------------------------------------------
     def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
@@ -627,6 +646,13 @@ class MegatronTrainer:
             return
         _set_tracker_states(state.get("rng_tracker"))
 
+
+
+def _unpacked_loss(loss_func: Any, mb: Batch, pk: Any, logits: torch.Tensor) -> Any:
+    """The loss on packed logits ``[1, L, V/tp]``, read back into the micro-batch's padded layout."""
+    from milehpc.train.megatron import packing
+
+    return loss_func(mb, packing.unpack(logits, pk))
 
 
 class _SftOptimizer:

@@ -1,0 +1,393 @@
+"""Device-placement checking: make a CPU run fail where a GPU run would.
+
+The fault class: a tensor on the wrong device reaching an NCCL/RCCL collective (NCCL reduces GPU tensors only) or a
+module whose weights live elsewhere. On a CPU machine every tensor is on the CPU and gloo accepts anything, so such
+code passes CI and fails on the first GPU step. This mode tracks the device each tensor is *meant* to be on:
+
+* a tensor made with ``device='cuda'`` / ``device=torch.cuda.current_device()``, or moved with ``.cuda()`` /
+  ``.to('cuda')`` (which return a fresh alias: the source stays a CPU tensor, as on a GPU), is recorded as CUDA (a
+  tensor attribute); so is anything computed from a CUDA tensor (except in-place ops, which keep their target's
+  device); ``.cpu()`` / ``.to('cpu')`` of a CUDA tensor is a fresh CPU copy; moving a ``Parameter`` records the
+  parameter itself (``module.cuda()`` / ``module.to()`` then set ``param.data``, which no mode sees);
+* the default process group and every group made by ``torch.distributed.new_group`` without ``backend="gloo"``
+  stand for NCCL: no tensor a collective on them gets may be recorded as CPU (factories without a CUDA device and
+  results of CPU-only inputs are; tensors the mode never saw made, such as gradients from the autograd engine, are
+  "unknown" and pass); gloo groups take anything;
+* every module's forward gets its inputs on its parameters' recorded device.
+
+A violation raises :class:`DevicePlacementError` naming the call, the tensor and the line that made the call.
+On a real GPU the same checks read the tensors' real devices. Turned on by ``MILEHPC_DEVICE_CHECK=nccl`` (the
+Megatron CPU adaptation reads it; tests set it for trainer processes) or :func:`enable`.
+
+:class:`CudaOnCpu` is also the redirect the Megatron CPU adaptation uses without checking (device='cuda' -> CPU,
+``.cuda()`` a no-op, CUDA type names for ``Tensor.type()``), so checked and unchecked runs take the same path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+ENV = "MILEHPC_DEVICE_CHECK"
+_ATTR = "_milehpc_intended_device"
+# torch.distributed functions whose tensors are checked (isend/irecv are checked through batch_isend_irecv: P2POp
+# compares its op against the unwrapped functions).
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
+               "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "all_to_all",
+               "all_to_all_single", "gather", "scatter", "send", "recv", "batch_isend_irecv")
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+class DevicePlacementError(RuntimeError):
+    """A tensor on a device the collective's backend or the module cannot use."""
+
+
+class _State:
+    def __init__(self, backend: str, simulate: bool) -> None:
+        self.backend = backend
+        self.simulate = simulate  # the CPU stands in for CUDA: read recorded devices, not real ones
+        self.group_device: dict[Any, str] = {}  # groups asked for as gloo -> "cpu"; others need the accelerator
+        self.originals: dict[str, Callable[..., Any]] = {}
+        self.violations = 0
+
+
+_STANDIN_INDEX = 0  # torch.device("cpu", 0): what torch.cuda.current_device() answers under the check
+_STATE: _State | None = None
+_MODE: Any = None  # the pushed CudaOnCpu mode (one per process)
+
+
+def requested() -> str | None:
+    """The backend the environment asks the check to stand for (``MILEHPC_DEVICE_CHECK=nccl``), or None."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "0", "off", "false"):
+        return None
+    if value not in ("nccl", "1", "on", "true"):
+        raise ValueError(f"{ENV}={value!r}: expected nccl (or off)")
+    return "nccl"
+
+
+def enabled() -> bool:
+    return _STATE is not None
+
+
+def simulating() -> bool:
+    """True when the CPU stands in for CUDA under the check (tensors carry their intended device)."""
+    return _STATE is not None and _STATE.simulate
+
+
+def violations() -> int:
+    """How many placement errors were raised in this process (tests assert on it)."""
+    return _STATE.violations if _STATE else 0
+
+
+# ---- intended devices ------------------------------------------------------------------------------------------
+def intended(t: Any) -> str:
+    """The device type ``t`` is meant to be on: its recorded one when the CPU stands in for CUDA ("unknown" for
+    a tensor the mode never saw being made, e.g. a gradient from the autograd engine: never a failure), else its
+    own."""
+    if simulating():
+        return getattr(t, _ATTR, "unknown")
+    return str(t.device.type)
+
+
+def _mark(obj: Any, dev: str) -> None:
+    for t in _tensors(obj):
+        with contextlib.suppress(AttributeError, RuntimeError):  # e.g. a tensor subclass without a __dict__
+            setattr(t, _ATTR, dev)
+
+
+def _tensors(obj: Any, depth: int = 0) -> Iterator[Any]:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 2 and isinstance(obj, list | tuple):
+        for x in obj:
+            yield from _tensors(x, depth + 1)
+    elif depth < 2 and isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x, depth + 1)
+
+
+def is_cuda_device(dev: Any) -> bool:
+    """``dev`` names a CUDA device: "cuda[:n]", a cuda torch.device, or a bare ordinal (what
+    ``torch.cuda.current_device()`` returns)."""
+    import torch
+
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda" or (dev.type == "cpu" and dev.index == _STANDIN_INDEX and simulating())
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+def _is_cpu_device(dev: Any) -> bool:
+    import torch
+
+    return (isinstance(dev, str) and dev.startswith("cpu")) or (isinstance(dev, torch.device) and dev.type == "cpu"
+                                                                and not is_cuda_device(dev))
+
+
+def needs_accelerator(group: Any = None) -> bool:
+    """Whether collectives on ``group`` need GPU tensors (NCCL/RCCL; the check's stand-in groups)."""
+    if _STATE is not None and _STATE.simulate:
+        return _STATE.group_device.get(group, "cuda") == "cuda"
+    import torch.distributed as dist
+
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+# ---- the CUDA -> CPU redirect (and recorder) ---------------------------------------------------------------------
+def _make_mode_class() -> type:
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    tensor_type, tensor_cuda, tensor_to, tensor_cpu = torch.Tensor.type, torch.Tensor.cuda, torch.Tensor.to, \
+        torch.Tensor.cpu
+    setitem = torch.Tensor.__setitem__
+
+    def _moved(t: Any) -> Any:
+        """A CUDA "copy" of ``t`` on the CPU: a fresh alias, recorded as CUDA (``t`` itself stays as it was)."""
+        if isinstance(t, torch.nn.Parameter):
+            # Module.cuda()/.to() then set ``param.data`` to the result, which no mode sees: move the record.
+            _mark(t, "cuda")
+        try:
+            alias = t.view_as(t)
+        except RuntimeError:
+            alias = t
+        _mark(alias, "cuda")
+        return alias
+
+    class CudaOnCpu(TorchFunctionMode):
+        """``device='cuda'`` requests go to the CPU, ``.cuda()`` is a no-op and ``Tensor.type()`` answers with the
+        CUDA name Megatron checks for; under the check, each tensor's intended device is recorded on the way."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            track = simulating()
+            if func is tensor_type and len(args) == 1 and not kwargs:
+                name = func(*args)
+                if track and getattr(args[0], _ATTR, None) == "cpu":
+                    return name
+                return _CUDA_TYPE_NAMES.get(name, name)
+            if func is tensor_cuda:
+                return _moved(args[0]) if track else args[0]
+            if func is tensor_to or func is tensor_cpu:
+                return self._move(func, args, kwargs, track)
+            to_cuda = "device" in kwargs and is_cuda_device(kwargs["device"])
+            if to_cuda:
+                kwargs = dict(kwargs, device="cpu")
+            out = func(*args, **kwargs)
+            if track:
+                if to_cuda:
+                    _mark(out, "cuda")
+                elif _in_place(getattr(func, "__name__", "")) or func is setitem:
+                    pass  # in place: the target keeps its device
+                else:
+                    marks = [getattr(t, _ATTR, None) for a in (args, kwargs) for t in _tensors(a)]
+                    if "cuda" in marks:
+                        _mark(out, "cuda")
+                    elif None not in marks:  # a factory, or CPU inputs only: a CPU tensor on a GPU too
+                        _mark(out, "cpu")
+                    # else an input of unknown origin (made by the autograd engine, or before the check was on)
+            return out
+
+        @staticmethod
+        def _move(func: Any, args: tuple, kwargs: dict, track: bool) -> Any:
+            src = args[0]
+            if func is tensor_cpu:
+                dev: Any = "cpu"
+            else:
+                dev = kwargs.get("device")
+                if dev is None and len(args) > 1 and isinstance(args[1], str | int | torch.device):
+                    dev = args[1]
+            if is_cuda_device(dev):
+                if len(args) > 1 and args[1] is dev:
+                    args = (src, "cpu", *args[2:])
+                if "device" in kwargs:
+                    kwargs = dict(kwargs, device="cpu")
+                out = func(*args, **kwargs)
+                return _moved(out) if track else out
+            if track and _is_cpu_device(dev) and getattr(src, _ATTR, None) == "cuda":
+                out = func(*args, **kwargs)
+                out = out.clone() if out is src else out  # a CUDA tensor's .cpu() is a new tensor
+                _mark(out, "cpu")
+                return out
+            out = func(*args, **kwargs)
+            if track and getattr(src, _ATTR, None) == "cuda" and dev is None:
+                _mark(out, "cuda")  # a dtype change keeps the device
+            return out
+
+    return CudaOnCpu
+
+
+_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
+                                                        "and", "or", "xor", "lshift", "rshift", "matmul"))
+
+
+def _in_place(name: str) -> bool:
+    """``add_``, ``copy_``, ``__iadd__``...: the result is the target, which keeps its device."""
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+
+
+@functools.cache
+def mode_class() -> type:
+    """The :class:`torch.overrides.TorchFunctionMode` class of the redirect (built lazily: torch imports late)."""
+    return _make_mode_class()
+
+
+def install_cuda_on_cpu() -> None:
+    """Push the CUDA -> CPU redirect for the rest of the process (idempotent)."""
+    global _MODE
+    if _MODE is None:
+        _MODE = mode_class()()
+        _MODE.__enter__()
+
+
+# ---- the checks --------------------------------------------------------------------------------------------------
+def _caller() -> str:
+    here = os.path.dirname(__file__)
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "torch" + os.sep not in frame.filename and not frame.filename.startswith(here):
+            return f"{frame.filename}:{frame.lineno}"
+    return "?"
+
+
+def _fail(message: str) -> None:
+    assert _STATE is not None
+    _STATE.violations += 1
+    raise DevicePlacementError(f"device check: {message} (called from {_caller()})")
+
+
+def _describe(t: Any) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+def _wrap_collective(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)
+        if name == "batch_isend_irecv":
+            ops = bound.arguments.get("p2p_op_list") or []
+            pairs = [(op.group, op.tensor) for op in ops]
+        else:
+            group = bound.arguments.get("group")
+            pairs = [(group, t) for k, v in bound.arguments.items() if k != "group" for t in _tensors(v)]
+        for group, t in pairs:
+            if needs_accelerator(group) and intended(t) == "cpu":
+                _fail(f"torch.distributed.{name} on a group that runs {_STATE.backend if _STATE else 'nccl'} got a "
+                      f"{intended(t)} tensor {_describe(t)}; NCCL only takes CUDA tensors (build it on "
+                      f"milehpc.comm.collectives.collective_device(group))")
+        return original(*args, **kwargs)
+
+    return checked
+
+
+def _wrap_new_group(original: Callable[..., Any]) -> Callable[..., Any]:
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        pg = original(*args, **kwargs)
+        backend = sig.bind(*args, **kwargs).arguments.get("backend")
+        if _STATE is not None and pg is not None:
+            _STATE.group_device[pg] = "cpu" if backend is not None and "nccl" not in str(backend).lower() else "cuda"
+        return pg
+
+    return recorded
+
+
+def _module_hook(module: Any, args: tuple) -> None:
+    first = next(module.parameters(recurse=False), None)
+    if first is None:
+        return
+    want = intended(first)
+    if want == "unknown":
+        return
+    for t in _tensors(args):
+        if t.is_floating_point() or t.dtype in _INDEX_DTYPES():
+            got = intended(t)
+            if got not in (want, "unknown"):
+                _fail(f"{type(module).__name__}.forward got a {got} input {_describe(t)} while its weights are on "
+                      f"{want}")
+
+
+@functools.cache
+def _INDEX_DTYPES() -> tuple[Any, ...]:  # noqa: N802  (a cached constant)
+    import torch
+
+    return (torch.long, torch.int32, torch.bool)
+
+
+def _record_through_autograd_functions() -> None:
+    """Custom autograd Functions (Megatron's TP regions, fused linears) may hand back a new tensor object (a view
+    of an input returned as is), which carries no record: give it its inputs' device."""
+    import torch
+
+    original = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(cls, *args, **kwargs)
+        if any(getattr(t, _ATTR, None) == "cuda" for a in (args, kwargs) for t in _tensors(a)):
+            _mark(out, "cuda")
+        return out
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+
+
+def enable(backend: str = "nccl") -> None:
+    """Turn the checks on for this process (idempotent). On a machine without CUDA the CPU stands in for it:
+    the redirect records intended devices and ``torch.cuda.current_device()`` answers 0, as on a GPU."""
+    global _STATE
+    if _STATE is not None:
+        return
+    import torch
+    import torch.distributed as dist
+
+    simulate = not torch.cuda.is_available()
+    _STATE = _State(backend, simulate)
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is not None:
+            _STATE.originals[name] = original
+            setattr(dist, name, _wrap_collective(name, original))
+    _STATE.originals["new_group"] = dist.new_group
+    dist.new_group = _wrap_new_group(dist.new_group)  # type: ignore[assignment]
+    torch.nn.modules.module.register_module_forward_pre_hook(_module_hook)
+    if simulate:
+        _record_through_autograd_functions()
+        # Megatron allocates with device=torch.cuda.current_device(). The answer must work without the redirect
+        # too (backward runs outside the mode) and still mean CUDA to it: cpu:0, a device no other code names.
+        standin = torch.device("cpu", _STANDIN_INDEX)
+        torch.cuda.current_device = lambda: standin  # type: ignore[assignment,return-value]
+        install_cuda_on_cpu()
+
+
+def enable_if_requested() -> bool:
+    """:func:`enable` when ``MILEHPC_DEVICE_CHECK`` asks for it; returns whether the check is on."""
+    backend = requested()
+    if backend:
+        enable(backend)
+    return enabled()
+
+
+def compute_device() -> Any:
+    """The device a trainer puts its model on: CUDA when there is one or when the check stands in for it."""
+    import torch
+
+    if simulating():
+        return torch.device("cuda", 0)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,31 @@
+"""The versions of the GPU-path libraries milehpc's contract tests ran against (pyproject pins the same ones).
+
+Login-safe: reads installed versions from package metadata, imports none of these packages.
+"""
+
+from __future__ import annotations
+
+# megatron-core: the CPU install and the gpu extra pin it; tests/test_megatron_*.py ran against it.
+TESTED_MEGATRON_CORE = "0.16.1"
+# transformer-engine (gpu extra only; its import breaks megatron.core on machines without CUDA): the TE layer spec's
+# names and mask semantics were read for this version (tests/test_megatron_single.py builds the spec for it).
+TESTED_TRANSFORMER_ENGINE = "2.20.2"
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution``, or None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def version_warning(distribution: str, tested: str) -> str | None:
+    """One line when ``distribution`` is installed at another version than the tested one, else None."""
+    have = installed_version(distribution)
+    if have is None or have == tested:
+        return None
+    return f"{distribution} {have} is installed; milehpc was tested with {distribution} {tested} " \
+           f"(pip install {distribution}=={tested})"
