@@ -1,6 +1,6 @@
 """Megatron-core checks that need real process groups, run as ONE launch (importing megatron takes seconds):
 
-    mpirun -np 2 python tests/megatron_checks.py OUT.json WORK_DIR
+    mpirun -np 2 python tests/megatron_checks.py OUT.json WORK_DIR [GROUP,...]
 
 Rank 0 writes the measured figures to OUT.json; tests/test_megatron_mpi.py asserts on them. Groups (each re-carves
 Megatron's parallel state out of the same 2-rank world):
@@ -15,6 +15,9 @@ Megatron's parallel state out of the same 2-rank world):
 * ``devices`` — the device check (``MILEHPC_DEVICE_CHECK=nccl``, set by the test for the whole launch: every
   group above ran under it): it is on, it catches a CPU tensor on an NCCL-standing group, and the trainers'
   float reductions (Megatron ``_dp_sum``, torch ``_all_reduce``) pass it (issue 12, fault 8).
+* ``parity``  — the same batch through the torch trainer and the Megatron trainer (TP=1 x DP=2, TP=2, PP=2) with a
+  KL reference (in the loss, in the reward): loss, KL, gradients; the reference offloaded when colocated and
+  rebuilt on resume (issue 17 item 1). Any world size: at one rank only TP=1 x DP=1.
 """
 
 from __future__ import annotations
@@ -58,9 +61,9 @@ def _samples(seed: int, n: int = 6) -> list[Any]:
     return out
 
 
-def _full_weights(comm: Any, trainer: Any) -> dict[str, Any]:
-    """The trainer's export (a collective), as seen by every rank."""
-    w = dict(trainer.export_weights())
+def _full_weights(comm: Any, trainer: Any, *, grads: bool = False) -> dict[str, Any]:
+    """The trainer's export (a collective; of the last step's gradients with ``grads``), as seen by every rank."""
+    w = dict(trainer.export_weights(grads=grads))
     return comm.bcast(w if comm.Get_rank() == 0 else None, root=0)
 
 
@@ -235,6 +238,122 @@ def check_devices(comm: Any) -> dict[str, Any]:
     return out
 
 
+PARITY_ALGORITHMS = {
+    # KL in the loss (k3 = low_var_kl, verl's GRPO default) and KL in the reward (k1 on the rollout logprobs).
+    "kl_loss": {"advantage": "grpo", "kl_coef": 0.5, "kl_type": "low_var_kl"},
+    "kl_reward": {"advantage": "grpo", "kl_coef": 0.5, "kl_type": "k1", "kl_in_reward": True},
+}
+
+
+def _parity_job(algorithm: dict[str, Any], *, colocate: bool = False, **trainer: Any) -> Any:
+    """No clipping and no weight decay (Megatron exempts norms and biases from decay; the torch AdamW does not)."""
+    from milehpc.config.load import job_from_dict
+
+    model = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 48}
+    ranks = trainer.get("tp", 1) * trainer.get("pp", 1) * trainer.get("dp", 1)
+    rollout = {"temperature": 0.8, "engines": ranks if colocate else 1}  # colocated: an engine on every rank
+    return job_from_dict({"name": "parity", "model": model, "rollout": rollout, "algorithm": algorithm,
+                          "resources": {"colocate": colocate},
+                          "trainer": {"backend": "megatron", "micro_batch_size": 2, "lr": 1e-2, "clip_grad": 0.0,
+                                      **trainer}})
+
+
+def _parity_samples() -> list[Any]:
+    """Two GRPO groups of 3 (one per DP rank at DP=2) with engine logprobs (what KL in the reward reads)."""
+    samples = _samples(13)
+    for s in samples:
+        s.rollout_logprobs = [-1.0 - 0.25 * j for j in range(len(s.response_ids))]
+    return samples
+
+
+def _second_step(trainer: Any, samples: list[Any], grads: Any) -> dict[str, Any]:
+    """Two steps (the second one's policy differs from the reference: the KL term and its gradient are not 0);
+    the second step's loss, KL and gradient norm, and its gradients in HF names."""
+    trainer.freeze_reference()  # what the loop does when RL begins
+    trainer.train_step(samples, 0)
+    m = trainer.train_step(samples, 1)
+    kl = m.get("train/actor/kl_loss", m.get("train/reward/kl_penalty"))
+    return {"loss": m["train/loss"], "kl": kl, "grad_norm": m["train/grad_norm"], "grads": grads()}
+
+
+def check_parity(comm: Any, work: str) -> dict[str, Any]:
+    """The same batch through the torch trainer (one rank's, on every rank) and the Megatron trainer at TP=1 x DP=2
+    (each DP rank one group), TP=2 and PP=2, with the KL reference on (issue 17 item 1)."""
+    import types
+    from unittest import mock
+
+    from milehpc.train import torch_trainer
+    from milehpc.train.megatron.trainer import MegatronTrainer
+
+    samples = _parity_samples()
+    out: dict[str, Any] = {}
+    for name, algorithm in PARITY_ALGORITHMS.items():
+        # The torch trainer as on a single rank (no DDP over this 2-rank world): the reference numbers.
+        with mock.patch.object(torch_trainer, "_dist", return_value=(0, 1)):
+            tt = torch_trainer.TorchTrainer(_parity_job(algorithm), types.SimpleNamespace(pad_id=0, eos_id=2,
+                                                                                          vocab_size=V), options={})
+            seen: dict[str, Any] = {}
+            step = tt.optimizer.step
+
+            def capture(*args: Any, _step: Any = step, _seen: dict = seen, _tt: Any = tt, **kwargs: Any) -> Any:
+                _seen.update({n: p.grad.detach().clone() for n, p in _tt.module.named_parameters()})
+                return _step(*args, **kwargs)
+
+            tt.optimizer.step = capture
+            want = _second_step(tt, samples, lambda seen=seen: dict(seen))
+        got = {"torch_kl": want["kl"], "torch_grad_norm": want["grad_norm"],
+               "grads_max": max(float(g.abs().max()) for g in want["grads"].values())}
+        world = comm.Get_size()
+        # TP=1 x DP=world, TP=world, PP=world (at one rank: TP=1 x DP=1 alone).
+        for layout, (tp, pp) in ({"tp1": (1, 1), f"tp{world}": (world, 1), f"pp{world}": (1, world)}
+                                 if world > 1 else {"tp1": (1, 1)}).items():
+            dp = world // (tp * pp)
+            # Colocated (TP=world): the reference waits in CPU memory between uses (its moves are recorded).
+            tr = MegatronTrainer(_parity_job(algorithm, tp=tp, pp=pp, dp=dp, colocate=layout == f"tp{world}"),
+                                 pad_id=0, vocab_size=V)
+            moves: list[str] = []
+
+            def move(device: Any, _to: Any = tr.ref.to, _moves: list[str] = moves) -> Any:
+                _moves.append(str(device))
+                return _to(device)
+
+            tr.ref.to = move
+            mine = [s for s in samples if s.group % dp == tr.dp_rank]  # whole GRPO groups per DP rank
+            # Gradients in HF names from the first stage's leader: all of them without PP.
+            run = _second_step(tr, mine, lambda tr=tr: _full_weights(comm, tr, grads=True))
+            got[f"{layout}_loss_diff"] = abs(run["loss"] - want["loss"])
+            got[f"{layout}_kl_diff"] = abs(run["kl"] - want["kl"])
+            got[f"{layout}_grad_norm_rel"] = abs(run["grad_norm"] / want["grad_norm"] - 1)
+            if pp == 1:
+                got[f"{layout}_grads_maxdiff"] = _maxdiff(run["grads"], want["grads"])
+            got[f"{layout}_ref_moves"] = list(moves)
+            got[f"{layout}_ref_trainable"] = sum(p.requires_grad for p in tr.ref.parameters())
+            if name == "kl_loss" and layout == f"tp{world}":  # before the next layout re-carves the groups
+                got.update(_resume_with_reference(comm, tr, mine, work))
+        out[name] = got
+    return out
+
+
+def _resume_with_reference(comm: Any, tr: Any, samples: list[Any], work: str) -> dict[str, Any]:
+    """The reference is not checkpointed: a resumed trainer rebuilds it from the initial weights, and its next
+    step equals the uninterrupted one's (loss, KL and weights)."""
+    from milehpc.train.megatron import checkpoint
+    from milehpc.train.megatron.trainer import MegatronTrainer
+
+    path = f"{work}/dist-ckpt-kl"
+    checkpoint.save(tr, path)
+    want = tr.train_step(samples, 2)
+    after = _full_weights(comm, tr)
+    again = MegatronTrainer(tr.job, pad_id=0, vocab_size=V)
+    checkpoint.load(again, path)
+    again.freeze_reference()  # what a resumed loop does (it skips the warm-up)
+    got = again.train_step(samples, 2)
+    return {"resume_loss_diff": abs(got["train/loss"] - want["train/loss"]),
+            "resume_kl_diff": abs(got["train/actor/kl_loss"] - want["train/actor/kl_loss"]),
+            "resume_kl": want["train/actor/kl_loss"],
+            "resume_weights_maxdiff": _maxdiff(after, _full_weights(comm, again))}
+
+
 def _free_port() -> int:
     import socket
 
@@ -257,11 +376,13 @@ def main() -> None:
     from milehpc.train.megatron import cpu_adapt
 
     cpu_adapt.apply()  # turns the device check on (MILEHPC_DEVICE_CHECK) before any group is used
-    results["logits"] = check_logits(comm)
-    results["path"] = check_from_path(comm, work)
-    results["ckpt"] = check_ckpt(comm, work)
-    results["replay"] = check_replay(comm)
-    results["devices"] = check_devices(comm)
+    groups = {"logits": lambda: check_logits(comm), "path": lambda: check_from_path(comm, work),
+              "ckpt": lambda: check_ckpt(comm, work), "replay": lambda: check_replay(comm),
+              "devices": lambda: check_devices(comm), "parity": lambda: check_parity(comm, work)}
+    # An optional third argument runs only the named groups (comma-separated), e.g. while working on one.
+    only = sys.argv[3].split(",") if len(sys.argv) > 3 else list(groups)
+    for name in only:
+        results[name] = groups[name]()
     if comm.Get_rank() == 0:
         with open(out_path, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)

@@ -73,9 +73,10 @@ CASES: dict[str, tuple[dict, dict, str]] = {
     "megatron_has_no_critic_or_teacher": (
         {"trainer": {"backend": "megatron"}, "algorithm": {"advantage": "gae"}},
         {"trainer": {"backend": "megatron"}, "algorithm": {"advantage": "grpo"}}, "algorithm.advantage"),
-    "megatron_has_no_kl_reference": (
-        {"trainer": {"backend": "megatron"}, "algorithm": {"kl_coef": 0.01}},
-        {"trainer": {"backend": "torch"}, "algorithm": {"kl_coef": 0.01}}, "algorithm.kl_coef"),
+    "megatron_kl_reference_is_the_initial_policy": (
+        {"trainer": {"backend": "megatron", "sft_warmup_steps": 2}, "algorithm": {"kl_coef": 0.01}},
+        {"trainer": {"backend": "megatron", "sft_warmup_steps": 0}, "algorithm": {"kl_coef": 0.01}},
+        "trainer.sft_warmup_steps"),
     "megatron_moe_needs_tp_1": (
         {"trainer": {"backend": "megatron", "tp": 2}, "model": {"num_experts": 4}},
         {"trainer": {"backend": "megatron", "tp": 1, "dp": 2, "ep": 2}, "model": {"num_experts": 4}}, "trainer.tp"),
@@ -97,6 +98,12 @@ CASES: dict[str, tuple[dict, dict, str]] = {
         {"rollout": {"engine": "sglang", "options": {"return_routed_experts": True}}},
         {"rollout": {"engine": "sglang", "options": {"return_routed_experts": True}}, "model": {"num_experts": 4}},
         "rollout.options.return_routed_experts"),
+    "lora_trains_with_the_torch_trainer": (
+        {"trainer": {"backend": "megatron", "lora": {"rank": 8}}},
+        {"trainer": {"backend": "torch", "lora": {"rank": 8}}}, "trainer.backend"),
+    "lora_rolls_out_on_the_reference_engine": (
+        {"rollout": {"engine": "sglang"}, "trainer": {"lora": {"rank": 8}}},
+        {"rollout": {"engine": "reference"}, "trainer": {"lora": {"rank": 8}}}, "rollout.engine"),
 }
 
 

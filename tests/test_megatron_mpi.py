@@ -4,8 +4,10 @@ Two launches only (importing megatron, torch and transformers costs seconds per 
 
 * ``tests/megatron_checks.py`` on 2 ranks: Megatron vs HF logits/logprobs/entropy at TP=2, the export at TP=2,
   dist checkpoint save -> resume (bit-exact) and resume at another TP (TP=1 x DP=2), MoE routing replay (EP=2),
-  all under the device check (a CPU tensor reaching a collective of an NCCL group fails, as on a GPU).
-* the RL loop through ``milehpc run --site local``: GRPO with Megatron trainer ranks at TP=2 x PP=2 x DP=2 (8 ranks,
+  all under the device check (a CPU tensor reaching a collective of an NCCL group fails, as on a GPU); and the same
+  batch through the torch trainer and the Megatron trainer (TP=1 x DP=2, TP=2, PP=2) with a KL reference: same loss,
+  KL and gradients.
+* the RL loop through ``milehpc run --site local``: GRPO + KL with Megatron trainer ranks at TP=2 x PP=2 x DP=2 (8 ranks,
   the distributed optimizer) and the reference engine on a 9th rank; after every weight sync (Megatron -> HF converter, one sync group per
   pipeline stage) the engine's logprobs match the trainer's; periodic checkpoints go through dist_checkpointing.
 """
@@ -89,6 +91,35 @@ def test_routing_replay_gives_the_engines_experts(checks: dict) -> None:
     assert got["free_identical"] < got["free_total"]
 
 
+@pytest.mark.parametrize("kl", ["kl_loss", "kl_reward"])
+def test_megatron_matches_the_torch_trainer_with_a_kl_reference(checks: dict, kl: str) -> None:
+    """Issue 17 item 1: the second step of GRPO with the KL in the loss (k3) or in the reward (k1), the policy one
+    step away from the reference. Megatron at TP=1 x DP=2 (each DP rank one group), TP=2 and TP=1 x PP=2 vs the
+    torch trainer on one rank: the same gradients (HF names; norm only with PP), and at DP=1 the same reported
+    loss and KL. (At DP=2 those two are not comparable with one rank's: both trainers report means over the DP
+    ranks of per-rank figures, which depend on the split; the gradients do not.)"""
+    got = checks["parity"][kl]
+    assert got["torch_kl"] > 0.05  # the reference differs from the policy: the KL and its gradient are live
+    for layout in ("tp1", "tp2", "pp2"):
+        assert got[f"{layout}_grad_norm_rel"] < 1e-5, got
+        assert got[f"{layout}_ref_trainable"] == 0  # frozen: no gradients, no optimizer state
+    for layout in ("tp1", "tp2"):
+        assert got[f"{layout}_grads_maxdiff"] < 1e-5 * got["grads_max"], got  # every parameter
+    for layout in ("tp2", "pp2"):
+        assert got[f"{layout}_loss_diff"] < 1e-6, got
+        assert got[f"{layout}_kl_diff"] < 1e-6 * got["torch_kl"] + 1e-7, got
+    assert got["tp1_ref_moves"] == got["pp2_ref_moves"] == []  # not colocated: the reference stays on the GPU
+    assert got["tp2_ref_moves"] == ["cuda:0", "cpu"] * 2  # colocated: in for each step's pass, out again
+
+
+def test_megatron_kl_reference_is_rebuilt_on_resume(checks: dict) -> None:
+    """The reference is not in the dist checkpoint: the resumed trainer rebuilds it from the initial weights and
+    its next step (KL included) is bit-identical to the uninterrupted one's."""
+    got = checks["parity"]["kl_loss"]
+    assert got["resume_kl"] > 0.05
+    assert got["resume_loss_diff"] == got["resume_kl_diff"] == got["resume_weights_maxdiff"] == 0.0
+
+
 JOB = """
 name = "megatron-grpo"
 """ + TINY_MODEL + """[data]
@@ -101,6 +132,9 @@ prompts_per_step = 4
 n_samples = 4
 max_new_tokens = 6
 temperature = 0.8
+[algorithm]
+kl_coef = 0.05
+kl_type = "low_var_kl"
 [trainer]
 backend = "megatron"
 tp = 2
@@ -148,6 +182,8 @@ def test_grpo_with_megatron_tp2_pp2_dp2_and_reference_engine(tmp_path: Path) -> 
         # Engine (HF, weights synced stage by stage through the converter) vs Megatron on the same tokens.
         assert r["train/logprob_diff_max"] <= 1e-5, r
         assert r["train/tokens"] > 0 and r["train/grad_norm"] > 0, r
+    # The KL reference (the initial policy) through the pipeline: 0 before the first update, then not.
+    assert records[0]["train/actor/kl"] < 1e-6 < records[-1]["train/actor/kl"], records
     ckpt = rdir / "checkpoints"
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000002", "step-00000003"]
     assert (ckpt / "megatron" / "v00000002" / "metadata.json").is_file()

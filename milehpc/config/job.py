@@ -76,6 +76,25 @@ class RolloutSpec:
 
 
 @dataclass
+class LoraSpec:
+    """``[trainer.lora]``: train low-rank adapters (``peft``) on a frozen base instead of the whole model."""
+
+    rank: int = opt(8, min=1, help="adapter rank r")
+    alpha: float = opt(16.0, min=0.0, help="scaling numerator: the update is (alpha / rank) * B @ A")
+    dropout: float = opt(0.0, min=0.0, max=1.0, help="dropout on the adapter's input (training only)")
+    target_modules: list[str] = opt(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        help="linear layers that get adapters: fnmatch patterns of module names; a pattern without '.' also "
+             "matches the last part of a name ('q_proj' matches model.layers.0.self_attn.q_proj)")
+    modules_to_save: list[str] = opt([], help="modules trained in full and synced with the adapter (e.g. lm_head)")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        if not self.target_modules:
+            raise ConfigError("expected at least one module name pattern, got []", file=file,
+                              field=f"{prefix}.target_modules")
+
+
+@dataclass
 class TrainerSpec:
     backend: str = opt("torch", pattern=NAME, expect="a trainer name")
     tp: int = opt(1, min=1, help="tensor parallel size")
@@ -98,6 +117,7 @@ class TrainerSpec:
     sft_warmup_steps: int = opt(0, min=0, help="supervised steps on the task's labels before RL")
     sft_lr: float | None = opt(None, min=0.0)
     options: dict[str, Any] = opt({})
+    lora: LoraSpec | None = opt(None, help="[trainer.lora]: train adapters only (torch trainer, reference engine)")
 
     @property
     def ranks(self) -> int:

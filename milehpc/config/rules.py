@@ -226,12 +226,15 @@ def megatron_has_no_critic_or_teacher(job: JobSpec, file: str | None) -> None:
                       f"{job.algorithm.advantage!r} (needs {needs})", file=file, field="algorithm.advantage")
 
 
-def megatron_has_no_kl_reference(job: JobSpec, file: str | None) -> None:
-    """trainer.backend × algorithm.kl_coef: a KL term needs a frozen reference model."""
-    if job.trainer.backend == "megatron" and job.algorithm.kl_coef > 0:
-        raise ConfigError(f"expected kl_coef = 0 with trainer.backend = 'megatron' (no KL reference model there yet; "
-                          f"trainer.backend = 'torch' has one), got {job.algorithm.kl_coef:g}", file=file,
-                          field="algorithm.kl_coef")
+def megatron_kl_reference_is_the_initial_policy(job: JobSpec, file: str | None) -> None:
+    """trainer.backend × algorithm.kl_coef × trainer.sft_warmup_steps: the Megatron trainer's KL reference is the
+    initial policy, rebuilt from its source on resume (not checkpointed), so it cannot be a warmed-up policy."""
+    tr = job.trainer
+    if tr.backend == "megatron" and job.algorithm.kl_coef > 0 and tr.sft_warmup_steps > 0:
+        raise ConfigError(f"expected sft_warmup_steps = 0 with a KL reference (algorithm.kl_coef = "
+                          f"{job.algorithm.kl_coef:g}) and trainer.backend = 'megatron' (its reference is the initial "
+                          f"policy; trainer.backend = 'torch' freezes the warmed-up one), got {tr.sft_warmup_steps}",
+                          file=file, field="trainer.sft_warmup_steps")
 
 
 def megatron_moe_needs_tp_1(job: JobSpec, file: str | None) -> None:
@@ -297,6 +300,30 @@ def routing_replay_needs_moe(job: JobSpec, file: str | None) -> None:
                           field="rollout.options.return_routed_experts")
 
 
+# ---- LoRA ----------------------------------------------------------------------------------------------------
+
+def lora_trains_with_the_torch_trainer(job: JobSpec, file: str | None) -> None:
+    """trainer.lora × trainer.backend × trainer.options.fsdp: the adapters are peft's, on the torch trainer's HF
+    model (Megatron's TP-sharded adapters and peft under FSDP2 sharding are not built yet)."""
+    if job.trainer.lora is None:
+        return
+    if job.trainer.backend != "torch":
+        raise ConfigError(f"[trainer.lora] trains with the torch trainer: expected trainer.backend = 'torch', got "
+                          f"{job.trainer.backend!r}", file=file, field="trainer.backend")
+    if job.trainer.ranks > 1 and _trainer_options(job, file)["fsdp"]:
+        raise ConfigError("[trainer.lora] trains under DDP: expected trainer.options.fsdp = false with several "
+                          "trainer ranks, got true", file=file, field="trainer.options.fsdp")
+
+
+def lora_rolls_out_on_the_reference_engine(job: JobSpec, file: str | None) -> None:
+    """trainer.lora × rollout.engine: only the reference engine applies synced adapters so far (SGLang's
+    load_lora_adapter path is not built yet)."""
+    if job.trainer.lora is not None and job.rollout.engine not in REFERENCE_ENGINES:
+        raise ConfigError(f"[trainer.lora] syncs adapters the reference engine applies: expected rollout.engine in "
+                          f"{', '.join(map(repr, REFERENCE_ENGINES))}, got {job.rollout.engine!r}", file=file,
+                          field="rollout.engine")
+
+
 # Options first (later rules read them); the first rule broken is the one reported.
 RULES: tuple[Rule, ...] = (
     trainer_options_fit_the_trainer, engine_options_fit_the_engine, generator_params_fit_the_generator,
@@ -304,9 +331,10 @@ RULES: tuple[Rule, ...] = (
     overlong_buffer_fits_the_response, colocated_runs_sync, stale_samples_need_a_correction, partial_rollouts_keep_their_stale_samples,
     partial_rollouts_need_the_builtin_generation,
     moe_is_built_as_qwen2, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
-    megatron_has_no_critic_or_teacher, megatron_has_no_kl_reference, megatron_moe_needs_tp_1,
+    megatron_has_no_critic_or_teacher, megatron_kl_reference_is_the_initial_policy, megatron_moe_needs_tp_1,
     megatron_ep_divides_the_experts, fsdp_trains_the_policy_alone, distillation_needs_a_teacher,
-    sglang_stop_strings_need_a_tokenizer, routing_replay_needs_moe,
+    sglang_stop_strings_need_a_tokenizer, routing_replay_needs_moe, lora_trains_with_the_torch_trainer,
+    lora_rolls_out_on_the_reference_engine,
 )
 
 

@@ -4,6 +4,12 @@ PyTorch. It is the CPU/embedded default and also runs on a GPU.
 Logprobs are those of the distribution sampled from before top-k/top-p truncation, i.e.
 ``log_softmax(logits / temperature)`` (temperature 0 = greedy, scored at temperature 1), computed in fp32. The
 trainer divides its logits by the same temperature, so with fp32 weights the two agree to float rounding.
+
+LoRA (``[trainer.lora]``): a sync carries adapter tensors named ``<module>.lora_A.weight`` / ``.lora_B.weight``
+(:mod:`milehpc.train.lora`) and the scaling ``alpha / rank`` as a one-element tensor named :data:`LORA_SCALING`
+(so the engine needs no job config to apply them). The engine keeps a copy of the base weight of each adapted
+module and sets the module's weight to ``base + (B @ A) * scaling``, the very expression (and rounding) of peft's
+own merge, so a new adapter replaces the old one exactly instead of piling up on it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+LORA_SCALING = "lora.scaling"  # the adapter's alpha / rank, sent with it
+
+
 class ReferenceEngine:
     """Implements :class:`milehpc.rollout.engine.Engine` for any HF causal LM held in this process."""
 
@@ -52,6 +61,8 @@ class ReferenceEngine:
         self.generator.manual_seed(seed)
         self.version = version
         self.tokens_generated = 0
+        self.adapter: dict[str, torch.Tensor] = {}  # the last synced adapter tensors (engine names)
+        self._lora_base: dict[str, torch.Tensor] = {}  # weight name -> the base weight under its adapter
         # transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name warns); 4.x knows only the old.
         import inspect
 
@@ -156,18 +167,47 @@ class ReferenceEngine:
         import torch
 
         state = self.model.state_dict()
+        merge: set[str] = set()
         with torch.no_grad():
             for name, tensor in named_tensors:
+                weight = _adapted_weight(name)
+                if name == LORA_SCALING or weight is not None:
+                    if weight is not None and weight not in state:
+                        raise KeyError(f"the engine's model has no parameter {weight!r} for the adapter {name!r}")
+                    self.adapter[name] = tensor.detach().clone()  # the stream's buffers are reused
+                    # the scaling alone changing re-merges every adapted weight
+                    merge.update([weight] if weight is not None else self._lora_base)
+                    continue
                 if name not in state:
                     raise KeyError(f"the engine's model has no parameter named {name!r}")
-                state[name].copy_(tensor)
+                if name in self._lora_base:  # a new base under an adapter: merged again below
+                    self._lora_base[name].copy_(tensor)
+                    merge.add(name)
+                else:
+                    state[name].copy_(tensor)
+            for weight in sorted(merge):
+                self._merge(weight, state[weight])
         self.version = version
+
+    def _merge(self, weight: str, target: torch.Tensor) -> None:
+        """``target = base + (B @ A) * scaling`` (peft's ``get_delta_weight`` and merge, bit for bit)."""
+        module = weight.removesuffix(".weight")
+        a, b = self.adapter.get(f"{module}.lora_A.weight"), self.adapter.get(f"{module}.lora_B.weight")
+        if a is None or b is None:
+            raise KeyError(f"adapter of {module!r} incomplete: a sync must carry both lora_A and lora_B")
+        scaling = self.adapter.get(LORA_SCALING)
+        if scaling is None:
+            raise KeyError(f"adapter of {module!r} arrived without {LORA_SCALING!r}")
+        base = self._lora_base.setdefault(weight, target.detach().clone())
+        delta = (b.to(base.device) @ a.to(base.device)) * float(scaling)
+        target.copy_(base + delta.to(base.dtype))
 
     def weight_version(self) -> int:
         return self.version
 
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return self.model.state_dict().items()
+        """The model's weights and, with LoRA, the adapter it holds (what the weight check compares)."""
+        return [*self.model.state_dict().items(), *self.adapter.items()]
 
     # ---- lifecycle ----------------------------------------------------------
     def health(self) -> bool:
@@ -195,6 +235,14 @@ class ReferenceEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.generator.set_state(state["generator"])
         self.version = int(state["version"])
+
+
+def _adapted_weight(name: str) -> str | None:
+    """``m.lora_A.weight`` / ``m.lora_B.weight`` -> ``m.weight``, the weight the adapter changes; else None."""
+    for part in (".lora_A.weight", ".lora_B.weight"):
+        if name.endswith(part):
+            return name.removesuffix(part) + ".weight"
+    return None
 
 
 def sampling_from_spec(rollout: Any, tokenizer: Any) -> SamplingParams:

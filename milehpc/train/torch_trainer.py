@@ -6,6 +6,10 @@ accumulation (DDP syncs only on the last), clipping, AdamW, an LR schedule. The 
 metrics report come from the very forward pass that the loss uses (:meth:`TorchTrainer.forward`), so the
 train–inference comparison measures what the loss sees. A frozen reference copy (KL) and a critic (PPO+GAE)
 are built when the algorithm asks for them.
+
+With ``[trainer.lora]`` the policy is a peft model over a frozen base (:mod:`milehpc.train.lora`): the optimizer, the
+checkpoint and the weight sync hold the adapter alone; the SFT warm-up trains the adapter too, so the base stays
+the one its source builds (no full sync, no base in any checkpoint).
 """
 
 from __future__ import annotations
@@ -99,10 +103,23 @@ class TorchTrainer:
         self.module = (model if model is not None else
                        build_model(spec, tokenizer.vocab_size, seed=job.run.seed, pad_id=self.pad_id,
                                    eos_id=tokenizer.eos_id)).to(self.device)
+        # What a full-model sync would move: the LoRA runs report it beside the adapter's bytes.
+        self.full_model_bytes = sum(t.numel() * t.element_size() for t in self.module.state_dict().values())
+        self.sync_bytes = 0  # of the last export_weights
+        self.lora = job.trainer.lora
+        if self.lora is not None:
+            from milehpc.train import lora
+
+            self.base_fingerprint = lora.fingerprint(self.module)
+            self.module = lora.attach(self.module, self.lora, seed=job.run.seed)
+            if self.lora.dropout > 0:
+                # peft's dropout draws from the process RNG, which nothing seeded before: seed it, so a rerun draws
+                # the same masks (a resume then restores the checkpoint's stream).
+                torch.manual_seed((job.run.seed * 1_000_003 + self.rank) % 2**63)
         self.model = self._wrap(self.module)
         # FSDP2 shards the weights: gathering them for the weight sync is a collective over all trainer ranks.
         self.export_is_collective = bool(self.options["fsdp"]) and self.dp_size > 1
-        self.optimizer = self._adamw(self.model.parameters(), job.trainer.lr)
+        self.optimizer = self._adamw(self._trainable(self.model), job.trainer.lr)
         self.scheduler = self._schedule(self.optimizer, job.trainer.lr)
         self.ref: Any = None
         self.critic = self.critic_module = self.critic_opt = None
@@ -135,6 +152,11 @@ class TorchTrainer:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(module, device_ids=None if self.device.type == "cpu" else [self.device])
+
+    @staticmethod
+    def _trainable(model: Any) -> list[Any]:
+        """The parameters an optimizer owns: a LoRA run's frozen base stays out of its state."""
+        return [p for p in model.parameters() if p.requires_grad]
 
     def _adamw(self, params: Iterable[Any], lr: float) -> Any:
         import torch
@@ -194,7 +216,7 @@ class TorchTrainer:
     # ---- SFT warm-up ---------------------------------------------------------
     def sft_optimizer(self, lr: float) -> Any:
         """A fresh AdamW over the policy for the warm-up (its moments do not carry into RL)."""
-        return self._adamw(self.model.parameters(), lr)
+        return self._adamw(self._trainable(self.model), lr)
 
     def sft_step(self, samples: list[Sample], optimizer: Any) -> dict[str, float]:
         """One supervised step (token-mean NLL over the response, global over DP) on labelled samples."""
@@ -319,6 +341,9 @@ class TorchTrainer:
             out["train/logprob_diff_mean"] = reduced[-2] / reduced[-1]
             out["train/logprob_diff_max"] = _all_reduce([diff_max], "max")[0]
         out["time/train_compute"] = time.perf_counter() - t0
+        if self.lora is not None:  # bytes the last weight sync moved, and what a full-model sync would have
+            out["sync/bytes"] = float(self.sync_bytes)
+            out["sync/full_model_bytes"] = float(self.full_model_bytes)
         return out
 
     def skip_step(self) -> None:
@@ -327,25 +352,50 @@ class TorchTrainer:
 
     # ---- weights and state -------------------------------------------------
     def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """Full weights in HF naming; with FSDP2 every rank must call this (it all-gathers)."""
-        for name, tensor in self.module.state_dict().items():
+        """Full weights in HF naming (with LoRA: the adapter alone, :func:`milehpc.train.lora.export`); with FSDP2
+        every rank must call this (it all-gathers)."""
+        self.sync_bytes = 0
+        if self.lora is not None:
+            from milehpc.train import lora
+
+            named: Iterable[tuple[str, Any]] = lora.export(self.module, self.lora)
+        else:
+            named = self.module.state_dict().items()
+        for name, tensor in named:
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
+            self.sync_bytes += tensor.numel() * tensor.element_size()
             yield name, tensor.detach()
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """Model, optimizer, scheduler, critic and reference; the process RNG is the checkpoint's own."""
-        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+        state = {"model": self._model_state(self.module), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "version": self.version, "steps": self.steps}
         if self.critic is not None:
             state["critic"] = self.critic_module.state_dict()
             state["critic_optimizer"] = self.critic_opt.state_dict()
         if self.ref is not None:
-            state["ref"] = self.ref.state_dict()
+            state["ref"] = self._model_state(self.ref)
         return state
 
+    def _model_state(self, module: Any) -> dict[str, Any]:
+        """The policy's (or reference's) weights; with LoRA the adapter and the base's source, never the base."""
+        if self.lora is None:
+            return module.state_dict()
+        from milehpc.train import lora
+
+        return lora.checkpoint_state(module, source=lora.base_source(self.job), base_fingerprint=self.base_fingerprint)
+
+    def _load_model_state(self, module: Any, state: dict[str, Any]) -> None:
+        if self.lora is None:
+            module.load_state_dict(state)
+            return
+        from milehpc.train import lora
+
+        lora.load_checkpoint_state(module, state, base_fingerprint=self.base_fingerprint)
+
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
+        self._load_model_state(self.module, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version, self.steps = int(state["version"]), int(state["steps"])
@@ -355,7 +405,7 @@ class TorchTrainer:
         if "ref" in state:
             self.freeze_reference()
             if self.ref is not None:
-                self.ref.load_state_dict(state["ref"])
+                self._load_model_state(self.ref, state["ref"])
 
 
 

@@ -16,6 +16,12 @@
   dp=0) returns that stage's layers in HF names, TP shards (and EP experts) gathered; one sync group per stage.
 * **Routing replay (R3)**: with ``trainer.options.routing_replay`` the experts the rollout engine chose
   (``Sample.routed_experts``) are fed to Megatron's ``RouterReplay`` before every micro-batch forward.
+* **KL reference**: with ``algorithm.kl_coef > 0`` a frozen second GPT model, built like the policy (same config,
+  same TP/PP shard) from the same initial weights: the reference is the *initial policy*. It has no DDP wrapper and
+  no optimizer state and is not checkpointed — a resumed run rebuilds it from the same source (the job rules
+  refuse it after an SFT warm-up, whose result only the policy's checkpoint holds). Its logprobs go into
+  ``batch.ref_logprobs`` before the advantages (KL in the reward or in the loss, as in the torch trainer). With
+  ``resources.colocate`` on a GPU it waits in CPU memory between uses.
 """
 
 from __future__ import annotations
@@ -128,8 +134,8 @@ class MegatronTrainer:
             from milehpc.algorithms.api import Algorithm
 
             algorithm = Algorithm.from_job(job)
-        # No critic, teacher or KL reference model here, MoE with tp = 1 and ep dividing the experts: the job rules
-        # refused anything else on the login node (milehpc.config.rules).
+        # No critic or teacher model here, no KL reference after an SFT warm-up, MoE with tp = 1 and ep dividing the
+        # experts: the job rules refused anything else on the login node (milehpc.config.rules).
         self.algorithm = algorithm
         from_table = hf_config is None and hf_model is None and not job.model.path
         if hf_config is None:
@@ -170,8 +176,14 @@ class MegatronTrainer:
         self.thd = self.te
         self.module = mm.build_gpt(self.arch, self.config, tp=self.tp, te=self.te)
         self._load_hf(hf_model)
+        # Built now, before any step or checkpoint load: the policy is still the initial one.
+        self.ref = self._build_reference() if algorithm.needs_ref else None
+        self.ref_offload = bool(job.resources.colocate) and self.device.type == "cuda"
         if self.device.type == "cuda":
             self.module.cuda()
+        if self.ref is not None:
+            # Colocated: the reference waits in CPU memory (Megatron builds it on the GPU when it has one).
+            self.ref.to("cpu" if self.ref_offload else self.device)
         self.ddp, self.optimizer = self._wrap()
         self.version = 0
         self.steps = 0
@@ -212,6 +224,32 @@ class MegatronTrainer:
         bad = [k for k in missing.missing_keys if not k.endswith("_extra_state")] + list(missing.unexpected_keys)
         if bad:
             raise RuntimeError(f"megatron trainer: converted HF weights do not fit the model: {bad[:5]}")
+
+    def _build_reference(self) -> Any:
+        """A frozen copy of the policy as loaded: same config and sharding, no DDP, no optimizer, no gradients."""
+        import copy
+
+        import torch
+
+        from milehpc.train.megatron import model as mm
+
+        config = self.config
+        if self.replay:
+            # The routing-replay registry is per process and holds the policy's routers; the reference routes freely.
+            config = copy.copy(config)
+            config.moe_enable_routing_replay = False
+        # Building draws initial weights: leave the process's and Megatron's RNG streams as they were.
+        states = _tracker_states()
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            ref = mm.build_gpt(self.arch, config, tp=self.tp, te=self.te)
+        _set_tracker_states(states)
+        ref.load_state_dict(self.module.state_dict(), strict=True)
+        ref.requires_grad_(False).eval()
+        if self.config.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            ref = Float16Module(self.config, ref)
+        return ref
 
     def _wrap(self) -> tuple[Any, Any]:
         from megatron.core.distributed import (
@@ -333,25 +371,28 @@ class MegatronTrainer:
         RouterReplay.set_replay_data(self._replay_tensors(mb, pk))
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    def _run(self, mbs: list[Batch], loss_func: Any, *, forward_only: bool) -> list[Any]:
-        """Megatron's forward(-backward) schedule over ``mbs``; returns the loss_func outputs (last stage)."""
+    def _run(self, mbs: list[Batch], loss_func: Any, *, forward_only: bool, model: Any = None) -> list[Any]:
+        """Megatron's forward(-backward) schedule over ``mbs`` through ``model`` (the policy's DDP wrapper unless
+        given: the reference, forward only); returns the loss_func outputs (last stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from milehpc.train.megatron import packing
         from milehpc.train.megatron.model import attention_mask
 
+        model = self.ddp if model is None else model
+        replay = self.replay and model is self.ddp  # the reference's routers are not in the replay registry
         # One packed length per step: pipeline stages exchange activations of a fixed shape.
         length = max(packing.packed_length(mb.attention_mask) for mb in mbs) if self.packed else 0
 
         def forward_step(data_iterator: Iterator[Batch], model: Any) -> tuple[Any, Any]:
             mb = next(data_iterator)
             if not self.packed:
-                if self.replay:
+                if replay:
                     self._set_replay(mb)
                 out = model(mb.input_ids, mb.position_ids, attention_mask(mb.attention_mask))
                 return out, partial(loss_func, mb)
             pk = packing.pack(mb.input_ids, mb.attention_mask, length=length, pad_id=self.pad_id)
-            if self.replay:
+            if replay:
                 self._set_replay(mb, pk)
             if self.thd:
                 out = model(pk.input_ids, pk.position_ids, None, packed_seq_params=packing.thd_params(pk))
@@ -361,9 +402,9 @@ class MegatronTrainer:
 
         seq, size = (length, 1) if self.packed else (int(mbs[0].input_ids.shape[1]), int(mbs[0].size))
         fb = get_forward_backward_func()
-        out = fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp],
+        out = fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
                  num_microbatches=len(mbs), seq_length=seq, micro_batch_size=size, forward_only=forward_only)
-        if self.replay:
+        if replay:
             from megatron.core.transformer.moe.router_replay import RouterReplay
 
             RouterReplay.clear_global_indices()
@@ -405,23 +446,35 @@ class MegatronTrainer:
         return reduce_floats(values, op, group=self.ps.get_data_parallel_group())
 
     # ---- Trainer protocol ---------------------------------------------------------------------------------
-    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+    def _forward_logprobs(self, batch: Batch, model: Any = None) -> torch.Tensor:
+        """``[B, R]`` logprobs of ``batch``'s responses (the policy's, or ``model``'s: the reference), forward only,
+        on every PP stage, in the dtype of ``batch.response_mask``."""
         import torch
-
-        samples = self._replica_samples(samples)
-        batch = self._batch(samples)
-        mbs = self._micro_batches(batch)
 
         def loss_func(mb: Batch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
             logp, _ = self._logprobs_of(mb, logits)
             return logits.new_zeros(()), {"logprobs": logp.detach().cpu()}
 
-        self.ddp.eval()
+        (self.ddp if model is None else model).eval()
         with torch.no_grad():
-            out = self._run(mbs, loss_func, forward_only=True)
-        rows = self._from_last_stage([r for o in out for r in o["logprobs"].tolist()] if out else None)
-        lengths = [len(s.response_ids) for s in samples]
-        return [row[:n] for row, n in zip(rows, lengths, strict=False)]
+            out = self._run(self._micro_batches(batch), loss_func, forward_only=True, model=model)
+        rows = self._from_last_stage(torch.cat([o["logprobs"] for o in out]) if out else None)
+        return rows[: batch.size].to(device=batch.response_mask.device, dtype=batch.response_mask.dtype)
+
+    def _reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        """``[B, R]`` logprobs of the frozen reference; offloaded weights come in for the pass and go back."""
+        if self.ref_offload:
+            self.ref.to(self.device)
+        try:
+            return self._forward_logprobs(batch, self.ref)
+        finally:
+            if self.ref_offload:
+                self.ref.to("cpu")
+
+    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        samples = self._replica_samples(samples)
+        rows = self._forward_logprobs(self._batch(samples)).tolist()
+        return [row[: len(s.response_ids)] for row, s in zip(rows, samples, strict=True)]
 
     def train_step(self, samples: list[Sample], step: int) -> dict[str, float]:
         import torch
@@ -431,11 +484,11 @@ class MegatronTrainer:
         t0 = time.perf_counter()
         samples = self._replica_samples(samples)
         batch = self._batch(samples)
+        # The no-grad passes before the update, in the torch trainer's order (KL in the reward reads both).
+        if self.ref is not None:
+            batch.ref_logprobs = self._reference_logprobs(batch)
         if self.algorithm.needs_old_logprobs:
-            old = self.compute_logprobs(samples)
-            batch.old_logprobs = torch.zeros_like(batch.response_mask)
-            for i, row in enumerate(old):
-                batch.old_logprobs[i, : len(row)] = torch.tensor(row)
+            batch.old_logprobs = self._forward_logprobs(batch)
         adv_metrics = self.algorithm.compute_advantages(batch, dp_sum=self._dp_sum_tensor if self.dp_size > 1 else None)
         tokens, seqs = self._dp_sum([batch.num_tokens, batch.num_seqs])
         tr = self.job.trainer
@@ -481,7 +534,10 @@ class MegatronTrainer:
         keys = sorted(summary["sums"])
         reduced = self._dp_sum([summary["sums"][k] for k in keys] + [summary["diff_sum"], summary["diff_n"]])
         out = {f"train/{k}": v / self.dp_size for k, v in zip(keys, reduced, strict=False)}
-        out.update({f"train/{k}": v for k, v in adv_metrics.items()})
+        # Means over the DP ranks, as the torch trainer reports them (each rank's are of its share of the batch).
+        adv_keys = sorted(adv_metrics)
+        adv_means = self._dp_sum([float(adv_metrics[k]) for k in adv_keys])
+        out.update({f"train/{k}": v / self.dp_size for k, v in zip(adv_keys, adv_means, strict=True)})
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = tr.lr * factor
         out["train/tokens"] = tokens
@@ -546,16 +602,20 @@ class MegatronTrainer:
         return {"sft/loss": self._dp_sum([total])[0], "sft/grad_norm": float(norm or 0.0)}
 
     def freeze_reference(self) -> None:
-        """No KL reference model in the Megatron trainer (the job rules refuse one on the login node)."""
+        """Nothing to do: the reference is the initial policy, frozen when the trainer was built (see the module
+        doc; the job rules refuse a KL reference after an SFT warm-up)."""
 
     def skip_step(self) -> None:
         """No rank had samples this step: keep the version schedule."""
         self.version += 1
 
     # ---- weights -------------------------------------------------------------------------------------------
-    def export_weights(self, *, moe_layout: str = "transformers") -> list[tuple[str, torch.Tensor]]:
+    def export_weights(self, *, moe_layout: str = "transformers", grads: bool = False,
+                       ) -> list[tuple[str, torch.Tensor]]:
         """Collective over the trainer ranks: this PP stage's weights in HF names on the stage leader (tp=0,
-        dp=0); an empty list elsewhere. TP shards are gathered over the TP group, experts over the EP group."""
+        dp=0); an empty list elsewhere. TP shards are gathered over the TP group, experts over the EP group.
+        ``grads``: the last step's gradients (DP-reduced ``main_grad``) in the same names instead, to compare a
+        step with the torch trainer's."""
 
         from milehpc.train.megatron import convert
 
@@ -563,7 +623,7 @@ class MegatronTrainer:
         expert_gather = self.arch.is_moe and self.ps.get_expert_model_parallel_world_size() > 1
         full: list[tuple[str, torch.Tensor]] = []
         for name, p in self.module.named_parameters():
-            t = p.detach()
+            t = (p.main_grad if grads else p).detach()
             if ".local_experts." in name:
                 if expert_gather:
                     parts = self._gather(t, self.ps.get_expert_model_parallel_group())
