@@ -45,7 +45,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from milehpc.errors import ConfigError
 
@@ -233,6 +233,19 @@ def activation_elements(s: Shape, *, tokens: int, tp: int, layers: int, recomput
     return tokens * (kept + 2 * s.hidden), tokens * 2 * -(-s.vocab // tp)
 
 
+def lora_params(s: Shape, lora: Any) -> tuple[int, int]:
+    """An upper bound on a LoRA adapter's (elements, tensors): rank ``r`` on every linear layer of every transformer
+    layer (``A`` and ``B``, ``r * (in + out)`` elements; the target patterns may pick fewer), plus the modules
+    trained whole (embeddings and the output layer: one ``vocab x hidden`` tensor each)."""
+    kv = s.kv_heads * s.head_dim
+    q = s.heads * s.head_dim
+    linears = [(s.hidden, q), (s.hidden, kv), (s.hidden, kv), (q, s.hidden),
+               (s.hidden, s.ffn), (s.hidden, s.ffn), (s.ffn, s.hidden)]
+    adapters = s.layers * lora.rank * sum(i + o for i, o in linears)
+    whole = [name for name in lora.modules_to_save if name.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head")]
+    return adapters + len(whole) * s.vocab * s.hidden, 2 * len(linears) * s.layers + len(whole)
+
+
 def trainer_items(job: JobSpec, s: Shape, *, needs_critic: bool = False, needs_teacher: bool = False) -> tuple[list[Item], list[Item]]:
     """The items of one trainer rank (and, not counted, the activations with full recomputation)."""
     tr = job.trainer
@@ -242,11 +255,17 @@ def trainer_items(job: JobSpec, s: Shape, *, needs_critic: bool = False, needs_t
     share = tr.dp if tr.distributed_optimizer else 1
     master = 4 if e < 4 else 0
     what = "fp32" if e == 4 else "bf16"
-    items = [Item("trainer parameters", n * e, f"{n:,} params ({what}), tp={tr.tp} pp={tr.pp} ep={tr.ep}"),
-             Item("trainer gradients", n * (4 if megatron else e), "fp32 (grad_reduce_in_fp32)" if megatron else what)]
-    opt_bytes = n * (8 + master) // share + 4 * tensors
+    items = [Item("trainer parameters", n * e, f"{n:,} params ({what}), tp={tr.tp} pp={tr.pp} ep={tr.ep}")]
+    trained, trained_tensors, note = n, tensors, ""
+    if tr.lora is not None:  # the frozen base has no gradients and no optimizer state: the adapter alone has
+        trained, trained_tensors = lora_params(s, tr.lora)
+        items.append(Item("LoRA adapter", trained * e, f"rank {tr.lora.rank}, at most every linear layer"))
+        note = f", the adapter's {trained:,} params"
+    items.append(Item("trainer gradients", trained * (4 if megatron else e),
+                      ("fp32 (grad_reduce_in_fp32)" if megatron else what) + note))
+    opt_bytes = trained * (8 + master) // share + 4 * trained_tensors
     items.append(Item("optimizer state", opt_bytes, "Adam moments" + (" + fp32 master" if master else "")
-                      + (f", distributed over dp={tr.dp}" if share > 1 else "")))
+                      + (f", distributed over dp={tr.dp}" if share > 1 else "") + note))
     seq = prompt_tokens(job)[0] + job.rollout.max_new_tokens
     tokens = tr.micro_batch_size * seq
     layers = -(-s.layers // tr.pp)

@@ -123,6 +123,17 @@ def test_a_missing_field_is_one_line_naming_file_row_and_field(tmp_path: Path, s
         read_examples(path, prompt_key="question")
 
 
+def test_a_first_row_without_its_answer_is_named_not_every_label_dropped(tmp_path: Path) -> None:
+    """The answer column is chosen from every row, not the first alone: a first row that lacks it is an error naming
+    that row (before: no labels at all for the whole file, silently)."""
+    rows = [json.loads(line) for line in TRAIN.with_suffix(".jsonl").read_text().splitlines()][:4]
+    del rows[0]["reward_model"]
+    path = tmp_path / "first-row-bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=rf"^{path}: data.label_key: line 1: no field 'reward_model.ground_truth'"):
+        read_examples(path)
+
+
 def test_the_shipped_samples_are_what_their_script_writes(tmp_path: Path) -> None:
     import importlib.util
 
@@ -142,3 +153,26 @@ def test_the_shipped_samples_are_what_their_script_writes(tmp_path: Path) -> Non
     math = read_examples(SAMPLES / "gsm8k_style_train.jsonl") + read_examples(SAMPLES / "gsm8k_style_val.jsonl")
     assert len(math) >= 36 and all(float(ex["label"]) == int(ex["label"]) for ex in math)  # numeric answers
     assert len(read_examples(SAMPLES / "code_style.jsonl")) >= 5
+
+
+@pytest.mark.parametrize("damage", ["not-utf8", "state-json", "arrow-stream"])
+def test_a_damaged_file_or_folder_is_one_line(tmp_path: Path, damage: str) -> None:
+    """Not UTF-8, a broken state.json, a truncated Arrow file: one line naming the file and the field, exit 2."""
+    if damage == "not-utf8":
+        path = tmp_path / "latin1.jsonl"
+        path.write_bytes('{"prompt": "caf\xe9", "label": "1"}\n'.encode("latin-1"))
+    else:
+        import datasets
+
+        path = tmp_path / "saved"
+        datasets.Dataset.from_list([{"prompt": "1+1", "label": "2"}] * 3).save_to_disk(str(path))
+        if damage == "state-json":
+            (path / "state.json").write_text("{not json")
+        else:
+            arrow = next(path.glob("*.arrow"))
+            arrow.write_bytes(arrow.read_bytes()[:40])
+    with pytest.raises(ConfigError) as err:
+        read_examples(path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: data.source: cannot read the prompt data ("), msg
+    assert "\n" not in msg and err.value.exit_code == 2

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from milehpc.config.job import wandb_mode
 from milehpc.config.load import job_from_dict
 from milehpc.errors import ConfigError, MilehpcError
-from milehpc.runtime.loggers import wandb_mode
 from milehpc.runtime.metrics import MetricsLogger
 
 

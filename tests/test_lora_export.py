@@ -4,13 +4,16 @@ decodes with the adapter synced to it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from milehpc.checkpoint import Checkpointer
+from milehpc.config.job import JobSpec
 from milehpc.config.load import load_job
+from milehpc.config.schema import to_dict
 from milehpc.data.tokenizer import build_tokenizer
 from milehpc.errors import ConfigError
 from milehpc.models import build_model
@@ -68,9 +71,17 @@ def _greedy(model: torch.nn.Module, prompt: list[int], steps: int, eos: int) -> 
     return ids[len(prompt):]
 
 
-def test_exported_adapter_loads_in_peft_and_decodes_as_the_engine(tmp_path: Path) -> None:
-    (tmp_path / "job.toml").write_text(JOB)
+def _run_dir(tmp_path: Path, text: str) -> JobSpec:
+    """A run directory as ``milehpc submit`` writes it: the job as ``job.json``."""
+    (tmp_path / "job.toml").write_text(text)
     job = load_job(tmp_path / "job.toml")
+    (tmp_path / "job.json").write_text(json.dumps(to_dict(job)))
+    (tmp_path / "job.toml").unlink()
+    return job
+
+
+def test_exported_adapter_loads_in_peft_and_decodes_as_the_engine(tmp_path: Path) -> None:
+    job = _run_dir(tmp_path, JOB)
     run_local(job, tmp_path, checkpointing=True)
     out = export_adapter(tmp_path, tmp_path / "adapter")
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
@@ -92,6 +103,6 @@ def test_exported_adapter_loads_in_peft_and_decodes_as_the_engine(tmp_path: Path
 
 
 def test_exporting_a_run_without_lora_is_one_line(tmp_path: Path) -> None:
-    (tmp_path / "job.toml").write_text(JOB.split("[trainer.lora]")[0] + "[run]\nsteps = 1\nloop = 'sync'\n")
+    _run_dir(tmp_path, JOB.split("[trainer.lora]")[0] + "[run]\nsteps = 1\nloop = 'sync'\n")
     with pytest.raises(ConfigError, match=r"trainer.lora: expected a run with \[trainer.lora\], got none"):
         export_adapter(tmp_path, tmp_path / "adapter")

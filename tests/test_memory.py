@@ -164,3 +164,20 @@ def test_a_broken_checkpoint_config_falls_back_to_the_model_table(tmp_path: Path
     job = load_job(ROOT / "examples" / "cpu-demo.toml", [f'model.path="{tmp_path}"'])
     shape, notes = memory.model_shape(job)
     assert shape.hidden == job.model.hidden_size and any("not readable JSON" in n for n in notes), notes
+
+
+def test_a_lora_run_counts_gradients_and_optimizer_state_of_the_adapter_alone() -> None:
+    """[trainer.lora] with its default targets (every linear layer): the estimate's adapter, gradient and Adam bytes
+    are the live peft trainer's, exactly; the frozen base has neither (counting it would refuse layouts that fit)."""
+    from milehpc.config.load import job_from_dict
+    from milehpc.config.schema import to_dict
+
+    data = to_dict(load_job(ROOT / "examples" / "cpu-demo-small.toml"))
+    data["trainer"]["lora"] = {"rank": 4}
+    job = job_from_dict(data)
+    got = measure_torch_trainer(job)
+    est = memory.estimate_trainer_bytes(job)
+    items = {i.name: i.bytes for i in memory.trainer_items(job, memory.model_shape(job)[0])[0]}
+    assert got["params"] == est["params"] + items["LoRA adapter"]  # the base, and the adapter beside it
+    assert (est["grads"], est["optimizer"]) == (got["grads"], got["optimizer"])
+    assert est["grads"] == items["LoRA adapter"] < est["params"] // 10

@@ -240,3 +240,35 @@ def test_liveness_check_survives_a_clock_step_and_sees_death_and_pid_reuse(monke
     finally:
         child.kill()
         child.wait()
+
+
+def _combine_rank(rank: int, store: str, out_dir: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from milehpc.comm.collectives import combine_rank_metrics
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    assert dist.get_world_size() == 2
+    mine = [{"advantages/max": 0.5, "advantages/min": -0.25, "advantages/mean": 0.1},
+            {"advantages/max": 2.0, "advantages/min": -3.0, "advantages/mean": 0.3}][rank]
+    got = combine_rank_metrics(mine, 2)
+    (Path(out_dir) / f"rank-{rank}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+def test_rank_metrics_combine_maxima_minima_and_means_over_dp(tmp_path: Path) -> None:
+    """Each DP rank's advantage statistics are of its share of the batch: the step's maximum is the largest, its
+    minimum the smallest, and only the other keys are means (a mean of maxima is not the maximum)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_combine_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        assert time.monotonic() < deadline, "the 2 gloo ranks did not finish"
+    want = {"advantages/max": 2.0, "advantages/min": -3.0, "advantages/mean": pytest.approx(0.2)}
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank-{rank}.json").read_text()) == want

@@ -33,3 +33,21 @@ def reduce_floats(values: list[float], op: str = "sum", group: Any = None) -> li
     t = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
     return t.tolist()
+
+
+def combine_rank_metrics(metrics: dict[str, float], size: int, group: Any = None) -> dict[str, float]:
+    """Per-rank metrics of each rank's share of the batch, combined over the ``size`` ranks of ``group``: keys
+    ending in ``max`` by their maximum, in ``min`` by their minimum, every other key as the mean over ranks."""
+    keys = sorted(metrics)
+    if size == 1:
+        return {k: float(metrics[k]) for k in keys}
+    highs = [k for k in keys if k.endswith("max")]
+    lows = [k for k in keys if k.endswith("min")]
+    means = [k for k in keys if k not in highs and k not in lows]
+    sums = reduce_floats([float(metrics[k]) for k in means], "sum", group)
+    # One MAX reduction serves both: the minimum is minus the maximum of the negated values.
+    peaks = reduce_floats([float(metrics[k]) for k in highs] + [-float(metrics[k]) for k in lows], "max", group)
+    out = {k: v / size for k, v in zip(means, sums, strict=True)}
+    out.update(zip(highs, peaks[:len(highs)], strict=True))
+    out.update({k: -v for k, v in zip(lows, peaks[len(highs):], strict=True)})
+    return out

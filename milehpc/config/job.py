@@ -201,7 +201,8 @@ def reward_route(route: Any) -> tuple[str, Any]:
 class DataSpec:
     source: str = opt("task:sort", help="'task:NAME' (a generated task), or a local .jsonl / .parquet file or "
                                         "datasets.save_to_disk folder (verl's and slime's layouts read as they are)")
-    val_source: str | None = opt(None, help="held-out validation prompts (same forms as source)")
+    val_source: str | None = opt(None, help="held-out validation prompts (same forms as source); read and "
+                                         "checked, not yet evaluated on")
     params: dict[str, Any] = opt({}, help="the task's parameters")
     prompt_key: str = opt("prompt", pattern=r"[^.\s]+(\.[^.\s]+)*", expect="a field name or dotted path",
                           help="the prompt's field: text or chat messages [{role, content}]")
@@ -264,6 +265,17 @@ class SandboxSpec:
 
             spec = plugins.lookup("sandbox", self.backend, file=file, field=f"{prefix}.backend")
             check_params(spec, self.params, file=file, prefix=f"{prefix}.params")
+
+
+def wandb_mode(mode: str, network: bool, *, file: str | None = None) -> str:
+    """``auto`` → online only where the site says the nodes have network, else offline; ``online`` on a site
+    without network is an error (a rank would hang on, or leak to, an unreachable server)."""
+    if mode == "auto":
+        return "online" if network else "offline"
+    if mode == "online" and not network:
+        raise ConfigError("expected mode = 'offline' or 'auto': the site partition does not say its compute nodes "
+                          "have network (network = true), got 'online'", file=file, field="logging.params.wandb.mode")
+    return mode
 
 
 @dataclass

@@ -151,6 +151,27 @@ def job_from_dict(data: dict[str, Any], file: str = "<job>") -> JobSpec:
     return build(JobSpec, data, file=file)
 
 
+def read_run_json(path: Path) -> dict[str, Any]:
+    """A JSON object that ``milehpc submit`` wrote into a run directory (job.json, plan.json, site.json)."""
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("file not found (is this a run directory written by `milehpc submit`?)",
+                          file=str(path)) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read: {err}", file=str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("expected a JSON object", file=str(path))
+    return data
+
+
+def run_job(run_dir: Path) -> JobSpec:
+    """The job spec of a run directory (its ``job.json``)."""
+    return job_from_dict(read_run_json(run_dir / "job.json"), file=str(run_dir / "job.json"))
+
+
 def site_data(name: str) -> tuple[dict[str, Any], str]:
     """The raw site dict and where it came from (a TOML path or a plugin)."""
     from milehpc import plugins

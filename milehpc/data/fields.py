@@ -36,13 +36,13 @@ def is_messages(prompt: Any) -> bool:
 
 
 def label_path(rows: list[Row], label_key: str) -> str | None:
-    """The path labels are read from: ``label_key``; for the default key, a prepared dataset's own answer column
-    when the first row has no ``label``; None (no labels: e.g. majority vote) when the default key is nowhere."""
+    """The path labels are read from: ``label_key``; for the default key, the first of ``label`` and a prepared
+    dataset's own answer column that some row has (a row without it is then an error naming that row); None (no
+    labels: e.g. majority vote) when no row has any of them."""
     if label_key != DEFAULT_LABEL_KEY or not rows:
         return label_key
-    first = rows[0][1]
     for path in (DEFAULT_LABEL_KEY, *LABEL_FALLBACKS):
-        if lookup(first, path) is not _MISSING:
+        if any(lookup(row, path) is not _MISSING for _, row in rows):
             return path
     return None
 

@@ -22,6 +22,16 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 def read_rows(path: str | Path, *, field: str = "data.source") -> list[Row]:
     """Every row of ``path`` by its format (a folder is a ``save_to_disk`` dataset)."""
     path = Path(path)
+    try:
+        return _read_rows(path, field)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        # A damaged or foreign file (not UTF-8, a broken state.json, a truncated Arrow stream): one line, not a
+        # traceback on every rank. pyarrow's errors derive from these; json's and UTF-8's from ValueError.
+        text = f"{type(err).__name__}: {err}".splitlines()[0]
+        raise ConfigError(f"cannot read the prompt data ({text})", file=str(path), field=field) from None
+
+
+def _read_rows(path: Path, field: str) -> list[Row]:
     if path.is_dir():
         return _read_saved_dataset(path, field)
     if not path.is_file():

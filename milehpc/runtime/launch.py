@@ -12,7 +12,6 @@ other ranks are told by the watchdog and end within its timeout.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -29,34 +28,21 @@ if TYPE_CHECKING:
 DEFAULT_ENTRY = "milehpc.runtime.loop:run"
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError("file not found (is this a run directory written by `milehpc submit`?)",
-                          file=str(path)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"cannot read: {err}", file=str(path)) from None
-    if not isinstance(data, dict):
-        raise ConfigError("expected a JSON object", file=str(path))
-    return data
-
-
 def load_run_dir(run_dir: str | os.PathLike[str]) -> tuple[JobSpec, Plan, dict[str, Any]]:
     """The job spec, the plan and the site partition (empty if there is no site.json) of a run directory."""
-    from milehpc.config.load import job_from_dict
+    from milehpc.config.load import read_run_json, run_job
     from milehpc.plan import Plan
 
     rdir = Path(run_dir)
-    job = job_from_dict(_read_json(rdir / "job.json"), file=str(rdir / "job.json"))
-    raw = _read_json(rdir / "plan.json")
+    job = run_job(rdir)
+    raw = read_run_json(rdir / "plan.json")
     try:
         plan = Plan.from_dict(raw)
     except TypeError as err:
         raise ConfigError(f"not a plan written by this milehpc version ({err})", file=str(rdir / "plan.json")) from None
     partition: dict[str, Any] = {}
     if (rdir / "site.json").exists():
-        partition = dict(_read_json(rdir / "site.json").get("partition") or {})
+        partition = dict(read_run_json(rdir / "site.json").get("partition") or {})
     return job, plan, partition
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from milehpc.errors import ConfigError, PluginError
+from milehpc.config.job import wandb_mode
+from milehpc.errors import PluginError
 
 
 @dataclass
@@ -92,17 +93,6 @@ class TensorBoardLogger:
         self.writer.close()
 
 
-def wandb_mode(mode: str, network: bool, *, file: str | None = None) -> str:
-    """``auto`` → online only where the site says the nodes have network, else offline; ``online`` on a site
-    without network is an error (a rank would hang on, or leak to, an unreachable server)."""
-    if mode == "auto":
-        return "online" if network else "offline"
-    if mode == "online" and not network:
-        raise ConfigError("expected mode = 'offline' or 'auto': the site partition does not say its compute nodes "
-                          "have network (network = true), got 'online'", file=file, field="logging.params.wandb.mode")
-    return mode
-
-
 class WandbLogger:
     """A W&B run under ``RUN_DIR/wandb`` with the run's id kept in ``RUN_DIR/wandb/run_id``, so a resumed job
     continues the same run. W&B cannot take back logged steps: after a resume its server keeps the first record
@@ -125,9 +115,14 @@ class WandbLogger:
         # No stats sampler, console capture, git or code probes: the rank logs metrics and nothing else.
         settings = wandb.Settings(mode=mode, console="off", silent=True, x_disable_stats=True,
                                   x_disable_machine_info=True, disable_git=True, save_code=False)
-        self.run = wandb.init(project=project, entity=entity, group=group, tags=tags or None, name=ctx.name,
-                              id=run_id, resume="allow", dir=str(ctx.run_dir), config=ctx.config,
-                              settings=settings)
+        try:
+            self.run = wandb.init(project=project, entity=entity, group=group, tags=tags or None, name=ctx.name,
+                                  id=run_id, resume="allow", dir=str(ctx.run_dir), config=ctx.config,
+                                  settings=settings)
+        except Exception as err:  # noqa: BLE001 - wandb raises many kinds (its service, auth, settings): one line
+            text = f"{type(err).__name__}: {err}".splitlines()[0]
+            raise PluginError(f"logger 'wandb' could not start its run ({text})", file=ctx.file,
+                              field="logging.loggers") from None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)

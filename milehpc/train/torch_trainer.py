@@ -71,12 +71,6 @@ def _dp_sum_tensor(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _mean_over_dp(metrics: dict[str, float]) -> dict[str, float]:
-    keys = sorted(metrics)
-    _, size = _dist()
-    return {k: v / size for k, v in zip(keys, _all_reduce([float(metrics[k]) for k in keys]), strict=True)}
-
-
 class TorchTrainer:
     """Implements :class:`milehpc.train.base.Trainer` for HF causal LMs."""
 
@@ -331,7 +325,9 @@ class TorchTrainer:
         keys = sorted(sums)
         reduced = _all_reduce([sums[k] for k in keys] + [diff_sum, diff_n])
         out = {f"train/{k}": v / self.dp_size for k, v in zip(keys, reduced, strict=False)}
-        out.update({f"train/{k}": v for k, v in _mean_over_dp(adv_metrics).items()})
+        from milehpc.comm.collectives import combine_rank_metrics
+
+        out.update({f"train/{k}": v for k, v in combine_rank_metrics(adv_metrics, _dist()[1]).items()})
         out["train/grad_norm"] = grad_norm
         if self.critic is not None:
             out["critic/grad_norm"] = critic_norm

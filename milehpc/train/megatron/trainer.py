@@ -534,10 +534,11 @@ class MegatronTrainer:
         keys = sorted(summary["sums"])
         reduced = self._dp_sum([summary["sums"][k] for k in keys] + [summary["diff_sum"], summary["diff_n"]])
         out = {f"train/{k}": v / self.dp_size for k, v in zip(keys, reduced, strict=False)}
-        # Means over the DP ranks, as the torch trainer reports them (each rank's are of its share of the batch).
-        adv_keys = sorted(adv_metrics)
-        adv_means = self._dp_sum([float(adv_metrics[k]) for k in adv_keys])
-        out.update({f"train/{k}": v / self.dp_size for k, v in zip(adv_keys, adv_means, strict=True)})
+        from milehpc.comm.collectives import combine_rank_metrics
+
+        # Combined over the DP ranks, as the torch trainer reports them (each rank's are of its share of the batch).
+        adv = combine_rank_metrics(adv_metrics, self.dp_size, group=self.ps.get_data_parallel_group())
+        out.update({f"train/{k}": v for k, v in adv.items()})
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = tr.lr * factor
         out["train/tokens"] = tokens
