@@ -4,7 +4,9 @@ the same reason instead, so that a suite that lost its only real requeue-and-res
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -22,3 +24,15 @@ def unavailable(reason: str) -> NoReturn:
     if required():
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1: required tests may not skip)", pytrace=False)
     pytest.skip(f"{reason} (set {REQUIRE_ENV}=1 to make this a failure)")
+
+
+def require_module(name: str) -> ModuleType:
+    """``name`` imported, for a test module that needs a package of the dev extra (CI always installs it): missing,
+    the module's tests skip on a plain run and fail under ``MILEHPC_REQUIRE_ALL=1``, naming the package."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        reason = f"the Python package '{name}' is not installed (pip install -e '.[dev]')"
+        if required():
+            pytest.fail(f"{reason} ({REQUIRE_ENV}=1: required tests may not skip)", pytrace=False)
+        pytest.skip(f"{reason} (set {REQUIRE_ENV}=1 to make this a failure)", allow_module_level=True)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from required import require_module
 from tiny_tokenizer import SAMPLES, build_tokenizer_folder
 
 from milehpc.config.job import DataSpec
@@ -30,7 +31,7 @@ def _strip(examples: list[dict]) -> list[dict]:
 
 
 def test_jsonl_parquet_and_a_saved_dataset_read_as_the_same_verl_examples(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+    datasets = require_module("datasets")
     rows = [json.loads(line) for line in TRAIN.with_suffix(".jsonl").read_text().splitlines()]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     from_jsonl = read_examples(TRAIN.with_suffix(".jsonl"))

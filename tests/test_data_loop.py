@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from required import require_module
 from tiny_tokenizer import SAMPLES, build_tokenizer_folder
 from wandb_records import history as wandb_history
 
@@ -15,7 +16,7 @@ from milehpc.config.load import job_from_dict
 from milehpc.runtime.loop import run_local
 from milehpc.samples.dumps import read_rollouts
 
-pytest.importorskip("wandb")
+require_module("wandb")
 
 
 def test_two_steps_on_the_verl_parquet_log_the_same_metrics_everywhere(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from required import require_module
 
 from milehpc.checkpoint import Checkpointer
 from milehpc.config.job import JobSpec
@@ -24,7 +25,7 @@ from milehpc.train.lora_export import export_adapter
 from milehpc.train.torch_trainer import TorchTrainer
 from milehpc.weights.inplace import load_in_place
 
-peft = pytest.importorskip("peft")
+peft = require_module("peft")
 
 JOB = """
 name = "lora-export"

@@ -7,10 +7,11 @@ adapter), so the adapter is far from zero before the first RL step."""
 from __future__ import annotations
 
 import pytest
+from required import require_module
 from test_loop_mpi import run_job
 
 pytestmark = [pytest.mark.mpi]
-pytest.importorskip("peft")
+require_module("peft")
 
 
 def test_only_the_adapter_is_synced_and_the_engine_applies_it_exactly(tmp_path) -> None:

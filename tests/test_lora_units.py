@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from required import require_module
 
 from milehpc.checkpoint import list_checkpoints
 from milehpc.config.job import JobSpec
@@ -26,7 +27,7 @@ from milehpc.train.torch_trainer import TorchTrainer
 from milehpc.weights.check import compare_named_tensors
 from milehpc.weights.inplace import load_in_place
 
-pytest.importorskip("peft")
+require_module("peft")
 
 LORA = {"rank": 4, "alpha": 8.0, "modules_to_save": ["lm_head"]}
 
