@@ -561,6 +561,52 @@ def rollouts(run_dir: str, step: int, limit: int, as_json: bool) -> None:
                    f"{r['prompt']!r} -> {r['response']!r} (label {r['label']!r}, {len(r['response_ids'])} tokens)")
 
 
+# ---- eval (issue 16 item 3) ------------------------------------------------------------------------------------
+
+@cli.command("eval", context_settings=CONTEXT)
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--data", required=True, metavar="FILE", help="the prompts: .jsonl / .parquet / datasets folder, or "
+              "task:NAME (read like data.val_source)")
+@click.option("--step", type=click.IntRange(min=0), metavar="N", help="the checkpoint of step N (default: newest)")
+@click.option("--n", "n_samples", type=click.IntRange(min=0), metavar="K", help="sampled answers per prompt "
+              "(eval.n_samples)")
+@click.option("--k", "pass_k", type=click.IntRange(min=1), multiple=True, help="a pass@k to report; repeatable "
+              "(eval.pass_k)")
+@click.option("--greedy/--no-greedy", default=None, help="one greedy answer per prompt (eval.greedy)")
+@click.option("--temperature", type=float, help="of the sampled answers (eval.temperature)")
+@click.option("--max-prompts", type=click.IntRange(min=0), help="the first this many prompts (eval.max_prompts)")
+@click.option("--force", is_flag=True, help="replace an earlier RUN_DIR/eval/step_N.json")
+@json_option
+def eval_cmd(run_dir: str, data: str, step: int | None, n_samples: int | None, pass_k: tuple[int, ...],
+             greedy: bool | None, temperature: float | None, max_prompts: int | None, force: bool,
+             as_json: bool) -> None:
+    """Evaluate a run's checkpoint on a prompt file with the job's engine, rewards and [eval] settings: accuracy,
+    pass@k and mean reward per data source; writes RUN_DIR/eval/step_N.json. Megatron checkpoints are read like
+    `milehpc export` reads them.
+
+    \b
+    Examples:
+      milehpc eval runs/demo-20260101-120000 --data data/val.jsonl
+      milehpc eval runs/demo-20260101-120000 --step 40 --data data/val.jsonl --n 8 --k 1 --k 4
+    """
+    from milehpc.runtime.evaluate_checkpoint import evaluate_checkpoint, metrics_table
+
+    given = {"n_samples": n_samples, "pass_k": list(pass_k) or None, "greedy": greedy, "temperature": temperature,
+             "max_prompts": max_prompts}
+    report = evaluate_checkpoint(run_dir, data, step=step, force=force,
+                                 overrides={k: v for k, v in given.items() if v is not None})
+    if as_json:
+        _emit({"step": report.step, "file": str(report.path), "metrics": report.metrics, "notes": report.notes})
+        return
+    for note in report.notes:
+        click.echo(f"milehpc: note: {note}")
+    click.echo(f"checkpoint step {report.step} (metrics step {report.step - 1}) on {data}:")
+    click.echo(f"{'source':<20} {'prompts':>7} {'acc':>6}  {'reward':>6}  pass@k")
+    for name, prompts, acc, passes, reward in metrics_table(report.metrics, report.sources):
+        click.echo(f"{name:<20} {prompts:>7} {acc:>6}  {reward:>6}  {passes}")
+    click.echo(f"milehpc: wrote {report.path}")
+
+
 @cli.command(context_settings=CONTEXT)
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="PNG path (default RUN_DIR/reward.png)")
@@ -581,3 +627,33 @@ def plot(run_dir: str, output: str | None, metric: str) -> None:
     from milehpc.runtime.metrics import plot_rewards
 
     click.echo(str(plot_rewards(run_dir, output, metric)))
+
+
+# ---- export (issues 16 and 19) ---------------------------------------------------------------------------------
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("-o", "--output", "out", required=True, type=click.Path(), metavar="DIR", help="the folder to write")
+@click.option("--step", type=click.IntRange(min=0), metavar="N", help="the checkpoint of step N (default: newest)")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="weights' dtype (default: as trained)")
+@click.option("--adapter", is_flag=True, help="LoRA run: the peft adapter folder alone")
+@click.option("--merged", is_flag=True, help="LoRA run: the base with the adapter merged (the default for LoRA)")
+@click.option("--force", is_flag=True, help="replace a non-empty DIR")
+def export(run_dir: str, out: str, step: int | None, dtype: str | None, adapter: bool, merged: bool,
+           force: bool) -> None:
+    """Write a run's checkpoint as a Hugging Face folder (safetensors, config, generation config, tokenizer,
+    milehpc_export.json) that transformers loads and SGLang serves; torch or Megatron checkpoints at any layout.
+
+    \b
+    Examples:
+      milehpc export runs/demo-20260101-120000 -o hf/demo --dtype bf16
+      milehpc export runs/lora-20260101-120000 -o hf/adapter --adapter --step 40
+      huggingface-cli upload me/demo hf/demo          # afterwards, where there is a network
+    """
+    from milehpc.export import export_run
+
+    done = export_run(run_dir, out, step=step, dtype=dtype, adapter=adapter, merged=merged, force=force)
+    for note in done.notes:
+        click.echo(f"milehpc: note: {note}")
+    click.echo(f"milehpc: wrote {done.out} ({done.kind}, step {done.step}, weight version {done.weight_version}, "
+               f"{done.dtype}): {', '.join(done.files)}")

@@ -78,8 +78,14 @@ def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int 
         if not path.is_dir():
             raise ConfigError(f"expected a local HF checkpoint folder, got {spec.path!r}", field="model.path")
         if value_head:
-            model = tf.AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype,
-                                                                      local_files_only=True)
+            # The checkpoint has no value head: its fresh init is seeded, so every trainer rank (and both
+            # trainers) start the critic from the same head.
+            config = tf.AutoConfig.from_pretrained(path, local_files_only=True, num_labels=1)
+            config.classifier_dropout = 0.0  # as below (a keyword here would not reach the config)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = tf.AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                                          local_files_only=True)
         else:
             model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         return model
@@ -89,6 +95,9 @@ def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int 
         torch.manual_seed(seed)
         if value_head:
             config.num_labels = 1
+            # No dropout before the value head (transformers defaults to 0.1; verl's critic sets 0): values must
+            # not depend on the random stream, in the advantages' pass or in the loss's.
+            config.classifier_dropout = 0.0
             model = token_cls(config)
         else:
             model = causal_lm(config)

@@ -1,10 +1,13 @@
 """Megatron-core checks that need real process groups, run as ONE launch (importing megatron takes seconds):
 
-    mpirun -np 2 python tests/megatron_checks.py OUT.json WORK_DIR [GROUP,...]
+    mpirun -np 4 python tests/megatron_checks.py OUT.json WORK_DIR [GROUP,...]
 
-Rank 0 writes the measured figures to OUT.json; tests/test_megatron_mpi.py asserts on them. Groups (each re-carves
-Megatron's parallel state out of the same 2-rank world):
+Rank 0 writes the measured figures to OUT.json; tests/test_megatron_mpi.py asserts on them. The 4-rank group runs
+first on the whole world; then ranks 0-1 carry on in a fresh 2-rank process group (ranks 2-3 are done) for the
+others, each of which re-carves Megatron's parallel state out of the same 2-rank world (``-np 2`` runs those alone):
 
+* ``parity4`` (4 ranks) — the same batch through the torch trainer and the Megatron trainer at TP=2 x PP=2 with the
+  KL reference, the critic (PPO/GAE) and the teacher (distillation): loss, value loss, gradient norms.
 * ``logits``  — TP=2: the Megatron model built from HF weights vs the HF model: logits (gathered over TP),
   per-token logprobs and entropy from the vocab-parallel path; the export at TP=2 round-trips the HF weights.
 * ``path``    — the model from a local HF checkpoint folder (``model.path``).
@@ -16,8 +19,10 @@ Megatron's parallel state out of the same 2-rank world):
   group above ran under it): it is on, it catches a CPU tensor on an NCCL-standing group, and the trainers'
   float reductions (Megatron ``_dp_sum``, torch ``_all_reduce``) pass it (issue 12, fault 8).
 * ``parity``  — the same batch through the torch trainer and the Megatron trainer (TP=1 x DP=2, TP=2, PP=2) with a
-  KL reference (in the loss, in the reward): loss, KL, gradients; the reference offloaded when colocated and
-  rebuilt on resume (issue 17 item 1). Any world size: at one rank only TP=1 x DP=1.
+  KL reference (in the loss, in the reward), a critic (GAE) and a teacher (distillation): loss, KL, value loss,
+  policy and critic gradients; the reference and teacher offloaded when colocated, the reference rebuilt on resume,
+  the critic resumed bit-exactly from the dist checkpoint and resharded TP=2 -> PP=2 (issue 17 item 1). Any world
+  size: at one rank only TP=1 x DP=1.
 """
 
 from __future__ import annotations
@@ -242,10 +247,17 @@ PARITY_ALGORITHMS = {
     # KL in the loss (k3 = low_var_kl, verl's GRPO default) and KL in the reward (k1 on the rollout logprobs).
     "kl_loss": {"advantage": "grpo", "kl_coef": 0.5, "kl_type": "low_var_kl"},
     "kl_reward": {"advantage": "grpo", "kl_coef": 0.5, "kl_type": "k1", "kl_in_reward": True},
+    # PPO with GAE: the critic (values before the update, clipped value loss, its own optimizer step).
+    "gae": {"advantage": "gae", "gamma": 0.99, "lam": 0.9},
+    # On-policy distillation: the teacher (another architecture, from a local HF folder) against the engine's
+    # logprobs of the student.
+    "distill": {"advantage": "distill"},
 }
+CRITIC_LR = 1e-2  # as large as the policy's: the second step's critic differs visibly from the first's
 
 
-def _parity_job(algorithm: dict[str, Any], *, colocate: bool = False, **trainer: Any) -> Any:
+def _parity_job(algorithm: dict[str, Any], *, colocate: bool = False, options: dict[str, Any] | None = None,
+                **trainer: Any) -> Any:
     """No clipping and no weight decay (Megatron exempts norms and biases from decay; the torch AdamW does not)."""
     from milehpc.config.load import job_from_dict
 
@@ -255,82 +267,173 @@ def _parity_job(algorithm: dict[str, Any], *, colocate: bool = False, **trainer:
     return job_from_dict({"name": "parity", "model": model, "rollout": rollout, "algorithm": algorithm,
                           "resources": {"colocate": colocate},
                           "trainer": {"backend": "megatron", "micro_batch_size": 2, "lr": 1e-2, "clip_grad": 0.0,
-                                      **trainer}})
+                                      "options": options or {}, **trainer}})
 
 
 def _parity_samples() -> list[Any]:
-    """Two GRPO groups of 3 (one per DP rank at DP=2) with engine logprobs (what KL in the reward reads)."""
+    """Two GRPO groups of 3 (one per DP rank at DP=2) with engine logprobs (what KL in the reward and the
+    distillation read)."""
     samples = _samples(13)
     for s in samples:
         s.rollout_logprobs = [-1.0 - 0.25 * j for j in range(len(s.response_ids))]
     return samples
 
 
-def _second_step(trainer: Any, samples: list[Any], grads: Any) -> dict[str, Any]:
-    """Two steps (the second one's policy differs from the reference: the KL term and its gradient are not 0);
-    the second step's loss, KL and gradient norm, and its gradients in HF names."""
+def _teacher_folder(comm: Any, work: str) -> str:
+    """A teacher unlike the student: Llama with 4 layers (the student: Qwen2, 2 layers), other weights."""
+    from pathlib import Path
+
+    from milehpc.models import build_model
+
+    folder = f"{work}/hf-teacher"
+    if comm.Get_rank() == 0 and not Path(folder).is_dir():
+        build_model(_job(model={"arch": "llama", "num_layers": 4}).model, V, seed=21).save_pretrained(folder)
+    comm.Barrier()
+    return folder
+
+
+def _options(name: str, teacher: str) -> dict[str, Any]:
+    return {"critic_lr": CRITIC_LR, **({"teacher_path": teacher} if name == "distill" else {})}
+
+
+def _second_step(trainer: Any, samples: list[Any], grads: Any, critic_grads: Any) -> dict[str, Any]:
+    """Two steps (the second one's policy differs from the reference, and its critic from the first one's: the KL
+    term, the value clipping and their gradients are live); the second step's figures and gradients."""
     trainer.freeze_reference()  # what the loop does when RL begins
     trainer.train_step(samples, 0)
     m = trainer.train_step(samples, 1)
     kl = m.get("train/actor/kl_loss", m.get("train/reward/kl_penalty"))
-    return {"loss": m["train/loss"], "kl": kl, "grad_norm": m["train/grad_norm"], "grads": grads()}
+    return {"loss": m["train/loss"], "kl": kl, "grad_norm": m["train/grad_norm"], "grads": grads(),
+            "value_loss": m.get("train/critic/value_loss"), "critic_grad_norm": m.get("critic/grad_norm"),
+            "critic_grads": critic_grads() if trainer.critic is not None else None}
 
 
-def check_parity(comm: Any, work: str) -> dict[str, Any]:
-    """The same batch through the torch trainer (one rank's, on every rank) and the Megatron trainer at TP=1 x DP=2
-    (each DP rank one group), TP=2 and PP=2, with the KL reference on (issue 17 item 1)."""
+_TORCH: dict[str, dict[str, Any]] = {}  # the torch trainer's figures per algorithm (every launch phase reuses them)
+
+
+def _torch_reference(comm: Any, name: str, teacher: str) -> dict[str, Any]:
+    """The torch trainer as on a single rank (no DDP over the MPI world): the reference numbers, computed on rank 0
+    (the others would only compete for the CPUs) and broadcast."""
+    if name not in _TORCH:
+        _TORCH[name] = comm.bcast(_torch_run(name, teacher) if comm.Get_rank() == 0 else None, root=0)
+    return _TORCH[name]
+
+
+def _torch_run(name: str, teacher: str) -> dict[str, Any]:
     import types
     from unittest import mock
 
     from milehpc.train import torch_trainer
+
+    with mock.patch.object(torch_trainer, "_dist", return_value=(0, 1)):
+        tt = torch_trainer.TorchTrainer(_parity_job(PARITY_ALGORITHMS[name]), types.SimpleNamespace(
+            pad_id=0, eos_id=2, vocab_size=V), options=_options(name, teacher))
+        seen: dict[str, dict[str, Any]] = {"policy": {}, "critic": {}}
+
+        def capture(opt: Any, module: Any, into: dict[str, Any]) -> None:
+            step = opt.step
+
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                into.update({n: p.grad.detach().clone() for n, p in module.named_parameters()})
+                return step(*args, **kwargs)
+
+            opt.step = wrapped
+
+        capture(tt.optimizer, tt.module, seen["policy"])
+        if tt.critic is not None:
+            capture(tt.critic_opt, tt.critic_module, seen["critic"])
+        return _second_step(tt, _parity_samples(), lambda: dict(seen["policy"]), lambda: dict(seen["critic"]))
+
+
+def _stage_exports(comm: Any, export: Any) -> dict[str, Any]:
+    """A collective export (policy or critic), every PP stage's leader's part merged, as seen by every rank."""
+    merged: dict[str, Any] = {}
+    for part in comm.allgather(dict(export())):
+        merged.update(part)
+    return merged
+
+
+def _parity_layout(comm: Any, name: str, want: dict[str, Any], samples: list[Any], teacher: str, *, tp: int,
+                   pp: int, colocate: bool) -> tuple[Any, dict[str, Any]]:
+    """The Megatron trainer at one layout through the same two steps; its figures against the torch trainer's."""
     from milehpc.train.megatron.trainer import MegatronTrainer
 
+    dp = comm.Get_size() // (tp * pp)
+    tr = MegatronTrainer(_parity_job(PARITY_ALGORITHMS[name], tp=tp, pp=pp, dp=dp, colocate=colocate,
+                                     options=_options(name, teacher)), pad_id=0, vocab_size=V)
+    frozen = tr.ref if tr.ref is not None else tr.teacher
+    moves: list[str] = []
+    if frozen is not None:
+        def move(device: Any, _to: Any = frozen.to) -> Any:
+            moves.append(str(device))
+            return _to(device)
+
+        frozen.to = move
+    mine = [s for s in samples if s.group % dp == tr.dp_rank]  # whole GRPO groups per DP rank
+    run = _second_step(tr, mine, lambda: _stage_exports(comm, lambda: tr.export_weights(grads=True)),
+                       lambda: _stage_exports(comm, lambda: tr.critic.export(grads=True)))
+    got: dict[str, Any] = {"layout": [tr.tp, tr.pp, tr.dp_size], "loss_diff": abs(run["loss"] - want["loss"]),
+                           "grad_norm_rel": abs(run["grad_norm"] / want["grad_norm"] - 1),
+                           "frozen_moves": list(moves),  # those of the two steps
+                           "frozen_trainable": sum(p.requires_grad for p in frozen.parameters()) if frozen else 0}
+    if want["kl"] is not None:
+        got["kl_diff"] = abs(run["kl"] - want["kl"])
+    got["grads_maxdiff"] = _maxdiff(run["grads"], want["grads"])  # every stage's, merged
+    if want["critic_grads"] is not None:
+        got["value_loss_diff"] = abs(run["value_loss"] - want["value_loss"])
+        got["critic_grad_norm_rel"] = abs(run["critic_grad_norm"] / want["critic_grad_norm"] - 1)
+        got["critic_grads_maxdiff"] = _maxdiff(run["critic_grads"], want["critic_grads"])
+    return tr, got
+
+
+def check_parity(comm: Any, work: str) -> dict[str, Any]:
+    """The same batch through the torch trainer (one rank's, on every rank) and the Megatron trainer at TP=1 x DP=2
+    (each DP rank one group), TP=2 and PP=2, with the KL reference, the critic and the teacher (issue 17 item 1)."""
     samples = _parity_samples()
+    teacher = _teacher_folder(comm, work)
+    world = comm.Get_size()
     out: dict[str, Any] = {}
-    for name, algorithm in PARITY_ALGORITHMS.items():
-        # The torch trainer as on a single rank (no DDP over this 2-rank world): the reference numbers.
-        with mock.patch.object(torch_trainer, "_dist", return_value=(0, 1)):
-            tt = torch_trainer.TorchTrainer(_parity_job(algorithm), types.SimpleNamespace(pad_id=0, eos_id=2,
-                                                                                          vocab_size=V), options={})
-            seen: dict[str, Any] = {}
-            step = tt.optimizer.step
-
-            def capture(*args: Any, _step: Any = step, _seen: dict = seen, _tt: Any = tt, **kwargs: Any) -> Any:
-                _seen.update({n: p.grad.detach().clone() for n, p in _tt.module.named_parameters()})
-                return _step(*args, **kwargs)
-
-            tt.optimizer.step = capture
-            want = _second_step(tt, samples, lambda seen=seen: dict(seen))
-        got = {"torch_kl": want["kl"], "torch_grad_norm": want["grad_norm"],
-               "grads_max": max(float(g.abs().max()) for g in want["grads"].values())}
-        world = comm.Get_size()
+    for name in PARITY_ALGORITHMS:
+        want = _torch_reference(comm, name, teacher)
+        got: dict[str, Any] = {"torch_grad_norm": want["grad_norm"], **_scales(want)}
         # TP=1 x DP=world, TP=world, PP=world (at one rank: TP=1 x DP=1 alone).
         for layout, (tp, pp) in ({"tp1": (1, 1), f"tp{world}": (world, 1), f"pp{world}": (1, world)}
                                  if world > 1 else {"tp1": (1, 1)}).items():
-            dp = world // (tp * pp)
-            # Colocated (TP=world): the reference waits in CPU memory between uses (its moves are recorded).
-            tr = MegatronTrainer(_parity_job(algorithm, tp=tp, pp=pp, dp=dp, colocate=layout == f"tp{world}"),
-                                 pad_id=0, vocab_size=V)
-            moves: list[str] = []
-
-            def move(device: Any, _to: Any = tr.ref.to, _moves: list[str] = moves) -> Any:
-                _moves.append(str(device))
-                return _to(device)
-
-            tr.ref.to = move
-            mine = [s for s in samples if s.group % dp == tr.dp_rank]  # whole GRPO groups per DP rank
-            # Gradients in HF names from the first stage's leader: all of them without PP.
-            run = _second_step(tr, mine, lambda tr=tr: _full_weights(comm, tr, grads=True))
-            got[f"{layout}_loss_diff"] = abs(run["loss"] - want["loss"])
-            got[f"{layout}_kl_diff"] = abs(run["kl"] - want["kl"])
-            got[f"{layout}_grad_norm_rel"] = abs(run["grad_norm"] / want["grad_norm"] - 1)
-            if pp == 1:
-                got[f"{layout}_grads_maxdiff"] = _maxdiff(run["grads"], want["grads"])
-            got[f"{layout}_ref_moves"] = list(moves)
-            got[f"{layout}_ref_trainable"] = sum(p.requires_grad for p in tr.ref.parameters())
-            if name == "kl_loss" and layout == f"tp{world}":  # before the next layout re-carves the groups
+            # Colocated (TP=world): the frozen model waits in CPU memory between uses (its moves are recorded).
+            tr, figures = _parity_layout(comm, name, want, samples, teacher, tp=tp, pp=pp,
+                                         colocate=layout == f"tp{world}")
+            got.update({f"{layout}_{k}": v for k, v in figures.items()})
+            mine = [s for s in samples if s.group % tr.dp_size == tr.dp_rank]
+            # Before the next layout re-carves the groups:
+            if name == "kl_loss" and layout == f"tp{world}":
                 got.update(_resume_with_reference(comm, tr, mine, work))
+            if name == "gae" and layout == f"tp{world}":
+                got.update(_resume_with_critic(comm, tr, mine, work))
+            if name == "gae" and layout == f"pp{world}":
+                got.update(_reshard_critic(comm, tr, work))
         out[name] = got
+    return out
+
+
+def check_parity_tp2pp2(comm: Any, work: str) -> dict[str, Any]:
+    """On 4 ranks: the Megatron trainer at TP=2 x PP=2 against the torch trainer, with the KL reference, the critic
+    and the teacher: the same loss (and value loss, gradient norms)."""
+    samples = _parity_samples()
+    teacher = _teacher_folder(comm, work)
+    out: dict[str, Any] = {}
+    for name in ("kl_loss", "gae", "distill"):
+        want = _torch_reference(comm, name, teacher)
+        _, out[name] = _parity_layout(comm, name, want, samples, teacher, tp=2, pp=2, colocate=False)
+        out[name].update(_scales(want))
+    return out
+
+
+def _scales(want: dict[str, Any]) -> dict[str, Any]:
+    """The torch trainer's KL and largest gradients: what the tolerances scale with."""
+    out = {"torch_kl": want["kl"], "grads_max": max(float(g.abs().max()) for g in want["grads"].values())}
+    if want["critic_grads"] is not None:
+        out["torch_value_loss"] = want["value_loss"]
+        out["critic_grads_max"] = max(float(g.abs().max()) for g in want["critic_grads"].values())
     return out
 
 
@@ -354,6 +457,49 @@ def _resume_with_reference(comm: Any, tr: Any, samples: list[Any], work: str) ->
             "resume_weights_maxdiff": _maxdiff(after, _full_weights(comm, again))}
 
 
+_CRITIC_CKPT: dict[str, Any] = {}  # the critic as saved by _resume_with_critic (full, HF names)
+
+
+def _resume_with_critic(comm: Any, tr: Any, samples: list[Any], work: str) -> dict[str, Any]:
+    """The critic is in the dist checkpoint (model and optimizer): a resumed trainer's next step equals the
+    uninterrupted one's, bit for bit (loss, value loss, policy and critic weights). So it is in the per-rank state
+    of a run without a checkpoint directory (same layout)."""
+    import copy
+
+    from milehpc.train.megatron import checkpoint
+    from milehpc.train.megatron.trainer import MegatronTrainer
+
+    path = f"{work}/dist-ckpt-critic"
+    local = copy.deepcopy(tr.state_dict_for_checkpoint())  # no dist_checkpoint_root: this rank's shards
+    checkpoint.save(tr, path)
+    _CRITIC_CKPT.update(path=path, weights=_stage_exports(comm, tr.critic.export), steps=tr.steps)
+    want = tr.train_step(samples, 2)
+    after, critic_after = _full_weights(comm, tr), _stage_exports(comm, tr.critic.export)
+    again = MegatronTrainer(tr.job, pad_id=0, vocab_size=V)
+    fresh = _stage_exports(comm, again.critic.export)
+    checkpoint.load(again, path)
+    got = again.train_step(samples, 2)
+    again.load_checkpoint_state(local)  # back to the saved step, through the per-rank state
+    local_step = again.train_step(samples, 2)
+    return {"critic_local_resume_diffs": [abs(local_step[k] - want[k]) for k in ("train/loss", "critic/grad_norm")],
+            "critic_local_resume_critic_maxdiff": _maxdiff(critic_after, _stage_exports(comm, again.critic.export)),
+            "critic_resume_loss_diff": abs(got["train/loss"] - want["train/loss"]),
+            "critic_resume_value_loss_diff": abs(got["train/critic/value_loss"] - want["train/critic/value_loss"]),
+            "critic_resume_grad_norm_diff": abs(got["critic/grad_norm"] - want["critic/grad_norm"]),
+            "critic_resume_weights_maxdiff": _maxdiff(after, _full_weights(comm, again)),
+            "critic_resume_critic_maxdiff": _maxdiff(critic_after, _stage_exports(comm, again.critic.export)),
+            "critic_fresh_vs_saved": _maxdiff(fresh, _CRITIC_CKPT["weights"])}
+
+
+def _reshard_critic(comm: Any, tr: Any, work: str) -> dict[str, Any]:
+    """The checkpoint written at TP=world loads at PP=world: the critic's weights, resharded, are the saved ones."""
+    from milehpc.train.megatron import checkpoint
+
+    checkpoint.load(tr, _CRITIC_CKPT["path"])
+    return {"critic_reshard_maxdiff": _maxdiff(_CRITIC_CKPT["weights"], _stage_exports(comm, tr.critic.export)),
+            "critic_reshard_steps": [tr.steps, _CRITIC_CKPT["steps"]]}
+
+
 def _free_port() -> int:
     import socket
 
@@ -362,27 +508,54 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _init_torch_distributed(comm: Any) -> None:
+    import torch.distributed as dist
+
+    port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size())
+
+
 def main() -> None:
+    """Groups that need 4 ranks run first on the whole world (launched with -np 4); then ranks 0-1 carry on alone in
+    a fresh 2-rank process group (one launch: importing megatron, torch and transformers costs seconds per rank)."""
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
     from mpi4py import MPI
 
     out_path, work = sys.argv[1], sys.argv[2]
     comm = MPI.COMM_WORLD
-    port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
-                            world_size=comm.Get_size())
-    results: dict[str, Any] = {"world_size": dist.get_world_size()}
+    _init_torch_distributed(comm)
+    results: dict[str, Any] = {"launch_world_size": comm.Get_size()}
     from milehpc.train.megatron import cpu_adapt
 
     cpu_adapt.apply()  # turns the device check on (MILEHPC_DEVICE_CHECK) before any group is used
-    groups = {"logits": lambda: check_logits(comm), "path": lambda: check_from_path(comm, work),
-              "ckpt": lambda: check_ckpt(comm, work), "replay": lambda: check_replay(comm),
-              "devices": lambda: check_devices(comm), "parity": lambda: check_parity(comm, work)}
+    wide = {"parity4": check_parity_tp2pp2}
+    groups = {"logits": check_logits, "path": check_from_path, "ckpt": check_ckpt, "replay": check_replay,
+              "devices": check_devices, "parity": check_parity}
+    needs_work = {"parity4", "path", "ckpt", "parity"}
+
+    def run(name: str, fn: Any, on: Any) -> None:
+        results[name] = fn(on, work) if name in needs_work else fn(on)
+
     # An optional third argument runs only the named groups (comma-separated), e.g. while working on one.
-    only = sys.argv[3].split(",") if len(sys.argv) > 3 else list(groups)
-    for name in only:
-        results[name] = groups[name]()
+    only = sys.argv[3].split(",") if len(sys.argv) > 3 else [*(wide if comm.Get_size() == 4 else ()), *groups]
+    for name in (n for n in only if n in wide):
+        if comm.Get_size() != 4:
+            raise SystemExit(f"group {name!r} needs 4 ranks (mpirun -np 4), got {comm.Get_size()}")
+        run(name, wide[name], comm)
+    pair = comm
+    if comm.Get_size() > 2:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        pair = comm.Split(0 if comm.Get_rank() < 2 else MPI.UNDEFINED)
+        if pair == MPI.COMM_NULL:
+            return
+        _init_torch_distributed(pair)
+    results["world_size"] = dist.get_world_size()
+    for name in (n for n in only if n in groups):
+        run(name, groups[name], pair)
     if comm.Get_rank() == 0:
         with open(out_path, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)

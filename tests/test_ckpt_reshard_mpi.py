@@ -141,3 +141,8 @@ def test_megatron_run_resumes_at_another_tp_through_submit_resume(tmp_path: Path
     manifest = json.loads((rdir / "checkpoints" / "step-00000004" / "manifest.json").read_text())
     assert manifest["layout"]["parallel"]["tp"] == 2 and manifest["world_size"] == 3
     assert {"rank-00000.pt", "rank-00001.pt", "rank-00002.pt", "rank-00002.h5"} <= set(manifest["files"])
+
+    # `milehpc export` of the TP=2 dist checkpoint: the trainer's own gathered weights, loadable by transformers.
+    from test_export import check_megatron_export
+
+    check_megatron_export(rdir, 4, final, tmp_path / "hf")

@@ -70,9 +70,6 @@ CASES: dict[str, tuple[dict, dict, str]] = {
     "reduced_precision_needs_bfloat16_weights": (
         {"trainer": {"precision": "bf16"}, "model": {"dtype": "float32"}},
         {"trainer": {"precision": "bf16"}, "model": {"dtype": "bfloat16"}}, "model.dtype"),
-    "megatron_has_no_critic_or_teacher": (
-        {"trainer": {"backend": "megatron"}, "algorithm": {"advantage": "gae"}},
-        {"trainer": {"backend": "megatron"}, "algorithm": {"advantage": "grpo"}}, "algorithm.advantage"),
     "megatron_kl_reference_is_the_initial_policy": (
         {"trainer": {"backend": "megatron", "sft_warmup_steps": 2}, "algorithm": {"kl_coef": 0.01}},
         {"trainer": {"backend": "megatron", "sft_warmup_steps": 0}, "algorithm": {"kl_coef": 0.01}},
@@ -104,6 +101,14 @@ CASES: dict[str, tuple[dict, dict, str]] = {
     "lora_rolls_out_on_the_reference_engine": (
         {"rollout": {"engine": "sglang"}, "trainer": {"lora": {"rank": 8}}},
         {"rollout": {"engine": "reference"}, "trainer": {"lora": {"rank": 8}}}, "rollout.engine"),
+    "evaluation_needs_validation_prompts": (
+        {"run": {"eval_every": 5}, "data": {"val_source": "task:sort"}},
+        {"run": {"eval_every": 5}, "data": {"val_source": "task:sort"}, "eval": {"max_prompts": 64}},
+        "eval.max_prompts"),
+    "evaluation_sees_synced_weights": (
+        {"run": {"eval_every": 3, "update_weights_interval": 2}, "data": {"val_source": "val.jsonl"}},
+        {"run": {"eval_every": 4, "update_weights_interval": 2}, "data": {"val_source": "val.jsonl"}},
+        "run.eval_every"),
 }
 
 
@@ -220,3 +225,14 @@ def test_submit_sweep_runs_the_rules_for_every_value(tmp_path: Path) -> None:
                                       "--sweep", "run.stale_policy=drop,correct"])
     _one_line(result, "run.stale_policy: stale_policy = 'correct'")
     assert not (tmp_path / "sweep").exists()
+
+
+def test_megatron_takes_critic_and_teacher_estimators() -> None:
+    """Issue 17 item 1: the Megatron trainer has a critic (GAE) and a teacher (distillation), so the job rules
+    accept them there; distillation still needs its teacher_path, as with the torch trainer."""
+    rules.check_job_rules(job({"trainer": {"backend": "megatron"}, "algorithm": {"advantage": "gae"}}), file=FILE)
+    rules.check_job_rules(job({"trainer": {"backend": "megatron", "options": {"teacher_path": "/ckpt/teacher"}},
+                               "algorithm": {"advantage": "distill"}}), file=FILE)
+    with pytest.raises(ConfigError, match="trainer.options.teacher_path: on-policy distillation"):
+        rules.check_job_rules(job({"trainer": {"backend": "megatron"}, "algorithm": {"advantage": "distill"}}),
+                              file=FILE)

@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("comm",),          # MPI world, torch.distributed groups, devices, watchdog
     ("rollout",),       # engines
     ("train",),         # trainers
+    ("export",),        # a run's checkpoint as an HF / peft folder, offline (milehpc export)
     ("weights",),       # weight transport trainer -> rollout
     ("runtime",),       # inside the job: launch, loop
     ("cli",),           # click commands

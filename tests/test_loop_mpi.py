@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from test_eval import write_val
 
 pytestmark = [pytest.mark.mpi]
 
@@ -85,29 +86,58 @@ def test_sync_loop_logprobs_agree_right_after_each_sync(tmp_path) -> None:
 
 
 def test_one_step_off_and_async_weight_schedules(tmp_path) -> None:
+    """Also the evaluation on held-out prompts (run.eval_every) on separate ranks, and `milehpc eval` of the run's
+    last checkpoint giving the loop's numbers of that step (tests/test_eval.py has the rest)."""
+    val = write_val(tmp_path / "val.jsonl")
     body = """
         name = "{name}"
         [data]
         source = "task:sort"
         params = {{ min_len = 2, max_len = 3 }}
+        val_source = "{val}"
         [rollout]
         prompts_per_step = 2
         n_samples = 2
         max_new_tokens = 4
         [trainer]
         micro_batch_size = 8
+        [reward]
+        by_source = {{ sorting = "position_match", reversing = "position_match" }}
+        [eval]
+        batch_size = 3
+        n_samples = 2
+        pass_k = [1, 2]
+        correct_threshold = 0.3
         [run]
         steps = 6
         loop = "{loop}"
         max_staleness = 2
         dump_rollouts = true
+        eval_every = 3
     """
-    off = run_job(tmp_path / "off", body.format(name="off", loop="one_step_off"))
+    off = run_job(tmp_path / "off", body.format(name="off", loop="one_step_off", val=val))
     # Batch k+1 is generated while step k trains: exactly one version behind from step 1 on.
     assert [r["async/staleness_max"] for r in off] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    fully = run_job(tmp_path / "async", body.format(name="async", loop="async"))
+    fully = run_job(tmp_path / "async", body.format(name="async", loop="async", val=val))
     assert len(fully) == 6
     assert all(r["async/staleness_max"] <= 2 and r["async/dropped_groups"] == 0 for r in fully)
+    for records in (off, fully):  # after step 2 (every 3 steps) and after the last one
+        assert [r["step"] for r in records if "eval/acc" in r] == [2, 5]
+        assert records[5]["eval/prompts"] == 10 and records[5]["eval/sorting/prompts"] == 5
+    # The last checkpoint (6 steps done) evaluated after the fact, in one process: the loop's numbers.
+    from click.testing import CliRunner
+
+    from milehpc.cli import cli
+
+    res = CliRunner().invoke(cli, ["eval", str(tmp_path / "off" / "run"), "--data", str(val), "--json"])
+    assert res.exit_code == 0, res.output
+    offline = json.loads(res.stdout)
+    assert offline["step"] == 6 and offline["file"].endswith("eval/step_6.json")
+    assert off[5]["eval/weight_version"] == 6  # the weights after the last step, pushed for the evaluation alone
+    assert offline["metrics"] == {k: v for k, v in off[5].items() if k.startswith("eval/")}
+    assert offline["metrics"]["eval/reward_mean"] > 0  # partial credit: a comparison of more than zeros
+    again = CliRunner().invoke(cli, ["eval", str(tmp_path / "off" / "run"), "--data", str(val)])
+    assert again.exit_code == 2 and "--force" in again.output
     from milehpc.samples.dumps import read_rollouts
 
     samples, attrs = read_rollouts(tmp_path / "async" / "run", 5)
@@ -121,6 +151,7 @@ def test_colocated_sync_loop_with_fsdp2(tmp_path) -> None:
         [data]
         source = "task:addition"
         params = { digits = 1 }
+        val_source = "VAL"
         [rollout]
         engines = 2
         prompts_per_step = 4
@@ -132,8 +163,28 @@ def test_colocated_sync_loop_with_fsdp2(tmp_path) -> None:
         options = { fsdp = true }     # FSDP2 over gloo; the weight export is a collective
         [resources]
         colocate = true
+        [checkpoint]
+        interval_steps = 2
+        [reward]
+        by_source = { sorting = "position_match", reversing = "position_match" }
+        [eval]
+        batch_size = 3
         [run]
         steps = 3
-    """)
+        eval_every = 5                # only after the last step
+    """.replace("VAL", str(write_val(tmp_path / "val.jsonl"))))
     assert records[0]["dist/mpi_world_size"] == 2 and records[0]["dist/trainer_world_size"] == 2
+    # Each engine evaluated its share of the held-out batches; `milehpc eval` on one engine gives the same numbers.
+    assert [r["step"] for r in records if "eval/acc" in r] == [2] and records[2]["eval/prompts"] == 10
+    from click.testing import CliRunner
+
+    from milehpc.cli import cli
+
+    res = CliRunner().invoke(cli, ["eval", str(tmp_path / "run"), "--data", str(tmp_path / "val.jsonl"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["metrics"] == {k: v for k, v in records[2].items() if k.startswith("eval/")}
     assert [r["rollout/samples"] for r in records] == [8.0, 8.0, 8.0]  # both engines' shares counted
+    # `milehpc export` joins the two ranks' FSDP2 shards (tests/test_export.py).
+    from test_export import check_export_matches_rollouts
+
+    check_export_matches_rollouts(tmp_path / "run", 2, tmp_path / "hf")

@@ -2,11 +2,12 @@
 
 Two launches only (importing megatron, torch and transformers costs seconds per rank):
 
-* ``tests/megatron_checks.py`` on 2 ranks: Megatron vs HF logits/logprobs/entropy at TP=2, the export at TP=2,
-  dist checkpoint save -> resume (bit-exact) and resume at another TP (TP=1 x DP=2), MoE routing replay (EP=2),
-  all under the device check (a CPU tensor reaching a collective of an NCCL group fails, as on a GPU); and the same
-  batch through the torch trainer and the Megatron trainer (TP=1 x DP=2, TP=2, PP=2) with a KL reference: same loss,
-  KL and gradients.
+* ``tests/megatron_checks.py`` on 4 ranks (the TP=2 x PP=2 parity), then 2 of them: Megatron vs HF
+  logits/logprobs/entropy at TP=2, the export at TP=2, dist checkpoint save -> resume (bit-exact) and resume at
+  another TP (TP=1 x DP=2), MoE routing replay (EP=2), all under the device check (a CPU tensor reaching a
+  collective of an NCCL group fails, as on a GPU); and the same batch through the torch trainer and the Megatron
+  trainer (TP=1 x DP=2, TP=2, PP=2, TP=2 x PP=2) with a KL reference, a critic (PPO/GAE) and a teacher
+  (distillation): same loss, KL, value loss, policy and critic gradients.
 * the RL loop through ``milehpc run --site local``: GRPO + KL with Megatron trainer ranks at TP=2 x PP=2 x DP=2 (8 ranks,
   the distributed optimizer) and the reference engine on a 9th rank; after every weight sync (Megatron -> HF converter, one sync group per
   pipeline stage) the engine's logprobs match the trainer's; periodic checkpoints go through dist_checkpointing.
@@ -37,7 +38,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_PROGRESS": "plain", "PYTHO
 def checks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = tmp_path_factory.mktemp("megatron")
     out = work / "out.json"
-    cmd = [str(BIN / "mpirun"), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
+    cmd = [str(BIN / "mpirun"), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4",
            sys.executable, str(ROOT / "tests" / "megatron_checks.py"), str(out), str(work)]
     # The device check (milehpc.comm.devcheck): the whole launch runs as if its gloo groups were NCCL groups.
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**ENV, "MILEHPC_DEVICE_CHECK": "nccl"},
@@ -47,7 +48,7 @@ def checks(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_megatron_logits_match_hf_at_tp2(checks: dict) -> None:
-    assert checks["world_size"] == 2
+    assert checks["launch_world_size"] == 4 and checks["world_size"] == 2
     got = checks["logits"]
     for arch in ("qwen2", "llama"):
         assert got[f"{arch}_padded_vocab"] == 38  # 37 padded for TP=2; the padded column is masked
@@ -102,14 +103,73 @@ def test_megatron_matches_the_torch_trainer_with_a_kl_reference(checks: dict, kl
     assert got["torch_kl"] > 0.05  # the reference differs from the policy: the KL and its gradient are live
     for layout in ("tp1", "tp2", "pp2"):
         assert got[f"{layout}_grad_norm_rel"] < 1e-5, got
-        assert got[f"{layout}_ref_trainable"] == 0  # frozen: no gradients, no optimizer state
-    for layout in ("tp1", "tp2"):
+        assert got[f"{layout}_frozen_trainable"] == 0  # frozen: no gradients, no optimizer state
         assert got[f"{layout}_grads_maxdiff"] < 1e-5 * got["grads_max"], got  # every parameter
     for layout in ("tp2", "pp2"):
         assert got[f"{layout}_loss_diff"] < 1e-6, got
         assert got[f"{layout}_kl_diff"] < 1e-6 * got["torch_kl"] + 1e-7, got
-    assert got["tp1_ref_moves"] == got["pp2_ref_moves"] == []  # not colocated: the reference stays on the GPU
-    assert got["tp2_ref_moves"] == ["cuda:0", "cpu"] * 2  # colocated: in for each step's pass, out again
+    assert got["tp1_frozen_moves"] == got["pp2_frozen_moves"] == []  # not colocated: the reference stays on the GPU
+    assert got["tp2_frozen_moves"] == ["cuda:0", "cpu"] * 2  # colocated: in for each step's pass, out again
+
+
+def test_megatron_matches_the_torch_trainer_with_a_critic(checks: dict) -> None:
+    """Issue 17 item 1: PPO with GAE, second step (the critic one update away from its initial weights, so the
+    values, the returns and the value clipping differ from step one's). Megatron's critic (its own GPT model with a
+    value head, own DDP and optimizer) at TP=1 x DP=2, TP=2 and PP=2 vs the torch trainer's critic: the same policy
+    AND critic gradients, every parameter, and at DP=1 the same reported loss and value loss."""
+    got = checks["parity"]["gae"]
+    assert got["torch_value_loss"] > 1e-3 and got["critic_grads_max"] > 1e-2  # the critic's loss is live
+    for layout in ("tp1", "tp2", "pp2"):
+        assert got[f"{layout}_grad_norm_rel"] < 1e-5 and got[f"{layout}_critic_grad_norm_rel"] < 1e-5, got
+        assert got[f"{layout}_grads_maxdiff"] < 1e-5 * got["grads_max"], got
+        assert got[f"{layout}_critic_grads_maxdiff"] < 1e-5 * got["critic_grads_max"], got
+    for layout in ("tp2", "pp2"):
+        assert got[f"{layout}_loss_diff"] < 1e-6 and got[f"{layout}_value_loss_diff"] < 1e-6, got
+
+
+def test_megatron_matches_the_torch_trainer_with_a_teacher(checks: dict) -> None:
+    """Issue 17 item 1: on-policy distillation from a teacher of another architecture (Llama, 4 layers; the student
+    is a 2-layer Qwen2) loaded from a local HF folder, sharded like the policy and frozen; offloaded between uses
+    when colocated, like the reference. (The advantages are ~3x larger than GRPO's here: fp32 noise scales.)"""
+    got = checks["parity"]["distill"]
+    for layout in ("tp1", "tp2", "pp2"):
+        assert got[f"{layout}_grad_norm_rel"] < 1e-5, got
+        assert got[f"{layout}_grads_maxdiff"] < 3e-5 * got["grads_max"], got
+        assert got[f"{layout}_frozen_trainable"] == 0
+    for layout in ("tp2", "pp2"):
+        assert got[f"{layout}_loss_diff"] < 1e-6, got
+    assert got["tp1_frozen_moves"] == got["pp2_frozen_moves"] == []
+    assert got["tp2_frozen_moves"] == ["cuda:0", "cpu"] * 2
+
+
+def test_megatron_matches_the_torch_trainer_at_tp2_pp2(checks: dict) -> None:
+    """Issue 17 item 1 on 4 ranks: TP=2 x PP=2 with the KL reference, the critic and the teacher: the same loss
+    (KL, value loss) and gradients as the torch trainer's."""
+    for name, got in checks["parity4"].items():
+        assert got["layout"] == [2, 2, 1]  # TP, PP, DP
+        assert got["loss_diff"] < 1e-6 and got["grad_norm_rel"] < 1e-5, (name, got)
+        assert got["grads_maxdiff"] < 3e-5 * got["grads_max"], (name, got)
+        assert got["frozen_trainable"] == 0
+    kl = checks["parity4"]["kl_loss"]
+    assert kl["torch_kl"] > 0.05 and kl["kl_diff"] < 1e-6 * kl["torch_kl"] + 1e-7, kl
+    gae = checks["parity4"]["gae"]
+    assert gae["value_loss_diff"] < 1e-6 and gae["critic_grad_norm_rel"] < 1e-5, gae
+    assert gae["critic_grads_maxdiff"] < 1e-5 * gae["critic_grads_max"], gae
+    assert sorted(checks["parity4"]) == ["distill", "gae", "kl_loss"]
+
+
+def test_megatron_critic_resumes_bit_exactly_and_reshards(checks: dict) -> None:
+    """The critic (model and optimizer) is in the dist checkpoint: saved at TP=2 after two steps, a fresh trainer
+    (whose critic differs from the saved one) loads it and its next step is bit-identical to the uninterrupted
+    one's; loaded at PP=2 (resharded), the critic's weights are exactly the saved ones."""
+    got = checks["parity"]["gae"]
+    assert got["critic_fresh_vs_saved"] > 1e-3  # the load has something to do
+    assert got["critic_resume_loss_diff"] == got["critic_resume_value_loss_diff"] == 0.0
+    assert got["critic_resume_grad_norm_diff"] == 0.0
+    assert got["critic_resume_weights_maxdiff"] == got["critic_resume_critic_maxdiff"] == 0.0
+    assert got["critic_reshard_maxdiff"] == 0.0 and got["critic_reshard_steps"] == [2, 2]
+    # Without a checkpoint directory: the per-rank state holds the critic too.
+    assert got["critic_local_resume_diffs"] == [0.0, 0.0] and got["critic_local_resume_critic_maxdiff"] == 0.0
 
 
 def test_megatron_kl_reference_is_rebuilt_on_resume(checks: dict) -> None:

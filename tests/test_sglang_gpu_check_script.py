@@ -1,6 +1,7 @@
-"""scripts/gpu_check.py end to end on the CPU, with stand-ins for sglang and torch_memory_saver
-(tests/standin_gpu_stack/, on PYTHONPATH of the subprocess only): the script's own logic — spec, engine and trainer
-wiring, Miles' order, the agreement and equality checks, the JSON — runs here; the real figures need a GPU."""
+"""scripts/gpu_check.py end to end on the CPU, with the stand-in for sglang and the real torch_memory_saver over a
+faked CUDA binding (tests/standin_gpu_stack/, on PYTHONPATH of the subprocess only): the script's own logic — spec,
+engine and trainer wiring, Miles' order, the agreement and equality checks, the JSON — runs here; the real figures
+need a GPU."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import tms_real
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu_with_standins(tmp_path):
+    tms_real.require_real()
     out = tmp_path / "gpu-check.json"
     # MILEHPC_NO_ENTRY_POINTS: as on the GPU machine, where milehpc is on PYTHONPATH but not installed.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_NO_ENTRY_POINTS": "1",

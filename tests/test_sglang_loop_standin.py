@@ -1,5 +1,5 @@
-"""The real loop under real mpirun with ``rollout.engine = "sglang"``, against the CPU stand-ins of ``sglang`` and
-``torch_memory_saver`` (tests/standin_gpu_stack/, put on PYTHONPATH of the job only: the real packages need a GPU).
+"""The real loop under real mpirun with ``rollout.engine = "sglang"``, against the CPU stand-in of ``sglang`` and the
+real ``torch_memory_saver`` with its CUDA binding faked (tests/standin_gpu_stack/, on PYTHONPATH of the job only).
 
 Everything else is real: ``milehpc run`` → mpirun → ``milehpc launch`` on every rank, milehpc's SGLang engine
 plugin, its update-group sync (trainer stage leader + engine leaders, gloo), the router, the health check (the
@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import tms_real
 from tiny_model import TINY_MODEL
 
 pytestmark = [pytest.mark.mpi]
@@ -98,6 +99,7 @@ def test_standin_sglang_colocated_miles_order_per_step(tmp_path) -> None:
     train (resumed, in the tagged region) → pause train → resume weights → update from tensors → resume KV cache.
     Rank 1's engine dies after onloading its KV cache at the end of step 0: it is restarted and re-synced from the
     trainer's snapshot before step 1 generates."""
+    tms_real.require_real()  # the real torch_memory_saver, its CUDA binding faked (tests/tms_real.py)
     records, calls = run_standin(tmp_path, """
         name = "sglang-colocated-standin"
         [data]

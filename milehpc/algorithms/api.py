@@ -187,7 +187,6 @@ class Algorithm:
         (see :mod:`milehpc.algorithms.aggregation`), and so does the DP-mean of the returned loss values.
         Without ``batch.old_logprobs`` the old policy is the current one, detached (one step per batch)."""
         from milehpc.algorithms.kl import kl_penalty
-        from milehpc.algorithms.losses import value_loss
         from milehpc.algorithms.off_policy import importance_weights
 
         spec = self.spec
@@ -227,14 +226,29 @@ class Algorithm:
             metrics["actor/kl"] = float(masked_mean(kl.detach(), mask))
             total = total + spec.kl_coef * kl_loss
         if values is not None:
-            if batch.returns is None or batch.values is None:
-                raise ValueError("the value loss needs batch.returns and batch.values (old critic values)")
-            v_loss, m = value_loss(values, batch.returns, batch.values, mask, agg, spec.value_clip)
+            v_total, m = self.value_loss(values, batch, agg=agg)
             metrics.update(m)
-            metrics["critic/value_loss"] = float(v_loss.detach())
-            total = total + spec.value_coef * v_loss
+            total = total + v_total
         metrics["loss"] = float(total.detach())
         return total, metrics
+
+    def value_loss(self, values: torch.Tensor, batch: Batch, *, global_tokens: float | None = None,
+                   global_seqs: float | None = None, dp_size: int = 1, agg: Aggregator | None = None,
+                   ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The critic's term of :meth:`loss` alone: ``value_coef`` times the clipped value loss of ``values``
+        (``[B, R]``, the critic's current predictions) against ``batch.returns``, clipped around ``batch.values``
+        (the critic's values before the update), and its metrics. For a trainer whose critic runs its own
+        backward pass (Megatron: a separate model in its own pipeline schedule)."""
+        from milehpc.algorithms.losses import value_loss
+
+        if batch.returns is None or batch.values is None:
+            raise ValueError("the value loss needs batch.returns and batch.values (old critic values)")
+        if agg is None:
+            agg = self.aggregator(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size)
+        mask = batch.response_mask.to(values.dtype)
+        v_loss, metrics = value_loss(values, batch.returns, batch.values, mask, agg, self.spec.value_clip)
+        metrics["critic/value_loss"] = float(v_loss.detach())
+        return self.spec.value_coef * v_loss, metrics
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:

@@ -22,6 +22,8 @@ class MegatronOptions:
     moe_aux_loss_coeff: float = opt(0.0, min=0.0)
     moe_dispatcher: Literal["allgather", "alltoall", "flex"] | None = opt(
         None, help="MoE token dispatcher; unset = alltoall on GPUs, allgather on the CPU")
+    critic_lr: float = opt(1e-4, min=0.0, help="learning rate of the critic (GAE)")
+    teacher_path: str = opt("", help="on-policy distillation: the teacher's local HF checkpoint folder")
 
 
 @dataclass

@@ -201,8 +201,8 @@ def reward_route(route: Any) -> tuple[str, Any]:
 class DataSpec:
     source: str = opt("task:sort", help="'task:NAME' (a generated task), or a local .jsonl / .parquet file or "
                                         "datasets.save_to_disk folder (verl's and slime's layouts read as they are)")
-    val_source: str | None = opt(None, help="held-out validation prompts (same forms as source); read and "
-                                         "checked, not yet evaluated on")
+    val_source: str | None = opt(None, help="held-out validation prompts (same forms as source), evaluated every "
+                                         "run.eval_every steps with the [eval] settings")
     params: dict[str, Any] = opt({}, help="the task's parameters")
     prompt_key: str = opt("prompt", pattern=r"[^.\s]+(\.[^.\s]+)*", expect="a field name or dotted path",
                           help="the prompt's field: text or chat messages [{role, content}]")
@@ -212,6 +212,37 @@ class DataSpec:
     max_prompt_tokens: int = opt(0, min=0, help="drop longer prompts at the start (counts reported); 0 = keep all")
     shuffle: bool = opt(True)
     seed: int = opt(0)
+
+
+@dataclass
+class EvalSpec:
+    """``[eval]``: how ``data.val_source`` is evaluated every ``run.eval_every`` steps and by ``milehpc eval`` (its
+    own sampling and seed: training draws nothing from it)."""
+
+    greedy: bool = opt(True, help="one greedy answer per prompt (temperature 0): eval/acc")
+    n_samples: int = opt(0, min=0, help="sampled answers per prompt for pass@k; 0 = none")
+    pass_k: list[int] = opt([1], help="the k of each pass@k reported (each 1 <= k <= n_samples)")
+    temperature: float = opt(1.0, min=0.0, help="sampled answers: temperature (> 0)")
+    top_p: float = opt(1.0, min=0.0, max=1.0)
+    top_k: int = opt(0, min=0, help="0 = off")
+    max_new_tokens: int = opt(0, min=0, help="0 = rollout.max_new_tokens")
+    batch_size: int = opt(32, min=1, help="prompts per engine call (the in-loop and the offline eval batch alike)")
+    max_prompts: int = opt(0, min=0, help="evaluate the first this many validation prompts; 0 = all")
+    correct_threshold: float = opt(1.0, help="an answer is correct when its reward reaches this")
+    seed: int = opt(0, help="seed of the sampled answers (batch b draws from seed + b)")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        if not self.greedy and self.n_samples == 0:
+            raise ConfigError("expected greedy = true or n_samples > 0 (nothing to evaluate), got neither", file=file,
+                              field=f"{prefix}.n_samples")
+        if self.n_samples:
+            bad = [k for k in self.pass_k if not 1 <= k <= self.n_samples]
+            if bad:
+                raise ConfigError(f"expected each k between 1 and n_samples ({self.n_samples}), got {bad[0]}",
+                                  file=file, field=f"{prefix}.pass_k")
+            if self.temperature == 0:
+                raise ConfigError(f"expected temperature > 0 for {self.n_samples} sampled answers (temperature 0 "
+                                  "gives the greedy one n times), got 0", file=file, field=f"{prefix}.temperature")
 
 
 @dataclass
@@ -315,7 +346,8 @@ class RunSpec:
     dir_mode: str = opt("0700", pattern=r"0?[0-7]{3}", expect="an octal mode like 0700")
     dump_rollouts: bool = opt(True)
     check_logprobs: bool = opt(False, help="after each sync compare engine and trainer logprobs")
-    eval_every: int = opt(0, min=0)
+    eval_every: int = opt(0, min=0, help="evaluate on data.val_source every this many steps and at the end "
+                                         "([eval]); 0 = never")
     target_reward: float | None = opt(None, help="stop early once the mean reward reaches this")
 
 
@@ -329,6 +361,7 @@ class JobSpec:
     algorithm: AlgorithmSpec = opt(AlgorithmSpec)
     reward: RewardSpec = opt(RewardSpec)
     data: DataSpec = opt(DataSpec)
+    eval: EvalSpec = opt(EvalSpec)
     resources: ResourcesSpec = opt(ResourcesSpec)
     container: ContainerSpec = opt(ContainerSpec)
     checkpoint: CheckpointSpec = opt(CheckpointSpec)

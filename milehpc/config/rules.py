@@ -157,6 +157,28 @@ def overlong_buffer_fits_the_response(job: JobSpec, file: str | None) -> None:
                           field="algorithm.overlong_buffer")
 
 
+# ---- evaluation ------------------------------------------------------------------------------------------------
+
+def evaluation_needs_validation_prompts(job: JobSpec, file: str | None) -> None:
+    """run.eval_every × data.val_source × eval.max_prompts: the in-loop evaluation runs on the held-out prompts, a
+    finite number of them."""
+    if job.run.eval_every > 0 and not job.data.val_source:
+        raise ConfigError(f"run.eval_every = {job.run.eval_every} evaluates on held-out prompts: expected "
+                          "data.val_source = a file or 'task:NAME', got none", file=file, field="data.val_source")
+    if job.run.eval_every > 0 and job.data.val_source.startswith("task:") and job.eval.max_prompts == 0:
+        raise ConfigError(f"a generated validation task ({job.data.val_source!r}) has no end: expected "
+                          "eval.max_prompts > 0, got 0", file=file, field="eval.max_prompts")
+
+
+def evaluation_sees_synced_weights(job: JobSpec, file: str | None) -> None:
+    """run.eval_every × run.update_weights_interval: an evaluation runs on the engines with the weights of its
+    step, so that step must be one whose weights are synced anyway (an extra sync would change the rollouts)."""
+    every, interval = job.run.eval_every, job.run.update_weights_interval
+    if every > 0 and every % interval:
+        raise ConfigError(f"expected a multiple of run.update_weights_interval ({interval}; the engines see the "
+                          f"weights of those steps only), got {every}", file=file, field="run.eval_every")
+
+
 # ---- plugin options --------------------------------------------------------------------------------------------
 
 def trainer_options_fit_the_trainer(job: JobSpec, file: str | None) -> None:
@@ -213,19 +235,6 @@ def reduced_precision_needs_bfloat16_weights(job: JobSpec, file: str | None) -> 
 
 # ---- trainers --------------------------------------------------------------------------------------------------
 
-def megatron_has_no_critic_or_teacher(job: JobSpec, file: str | None) -> None:
-    """trainer.backend × algorithm.advantage (the estimator plugin's needs_critic / needs_teacher)."""
-    if job.trainer.backend != "megatron":
-        return
-    est = _estimator(job, file)
-    if est is None or not (est.needs_critic or est.needs_teacher):
-        return
-    needs = "a critic" if est.needs_critic else "a teacher"
-    raise ConfigError(f"expected a critic-free estimator without a teacher with trainer.backend = 'megatron' "
-                      f"(no critic or teacher model there yet; trainer.backend = 'torch' has them), got "
-                      f"{job.algorithm.advantage!r} (needs {needs})", file=file, field="algorithm.advantage")
-
-
 def megatron_kl_reference_is_the_initial_policy(job: JobSpec, file: str | None) -> None:
     """trainer.backend × algorithm.kl_coef × trainer.sft_warmup_steps: the Megatron trainer's KL reference is the
     initial policy, rebuilt from its source on resume (not checkpointed), so it cannot be a warmed-up policy."""
@@ -269,8 +278,8 @@ def fsdp_trains_the_policy_alone(job: JobSpec, file: str | None) -> None:
 
 
 def distillation_needs_a_teacher(job: JobSpec, file: str | None) -> None:
-    """algorithm.advantage (needs_teacher) × trainer.options.teacher_path, torch trainer."""
-    if job.trainer.backend != "torch":
+    """algorithm.advantage (needs_teacher) × trainer.options.teacher_path, torch and megatron trainers."""
+    if job.trainer.backend not in ("torch", "megatron"):
         return
     est = _estimator(job, file)
     if est is not None and est.needs_teacher and not _trainer_options(job, file)["teacher_path"]:
@@ -331,10 +340,10 @@ RULES: tuple[Rule, ...] = (
     overlong_buffer_fits_the_response, colocated_runs_sync, stale_samples_need_a_correction, partial_rollouts_keep_their_stale_samples,
     partial_rollouts_need_the_builtin_generation,
     moe_is_built_as_qwen2, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
-    megatron_has_no_critic_or_teacher, megatron_kl_reference_is_the_initial_policy, megatron_moe_needs_tp_1,
+    megatron_kl_reference_is_the_initial_policy, megatron_moe_needs_tp_1,
     megatron_ep_divides_the_experts, fsdp_trains_the_policy_alone, distillation_needs_a_teacher,
     sglang_stop_strings_need_a_tokenizer, routing_replay_needs_moe, lora_trains_with_the_torch_trainer,
-    lora_rolls_out_on_the_reference_engine,
+    lora_rolls_out_on_the_reference_engine, evaluation_needs_validation_prompts, evaluation_sees_synced_weights,
 )
 
 

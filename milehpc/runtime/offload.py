@@ -11,10 +11,23 @@ The order is Miles' (radixark/miles ``train.py``, default ``colocate_memory_peak
   sgl-project/sglang ``python/sglang/srt/constants.py``). The weights are released *without* a CPU copy: the update
   overwrites them anyway.
 * **trainer side**: the trainer's parameters, gradients and optimizer state are allocated inside
-  ``torch_memory_saver.region("train", enable_cpu_backup=True)`` and paused/resumed by tag
-  (fzyzcjy/torch_memory_saver ``torch_memory_saver/entrypoint.py``: ``region(tag, enable_cpu_backup)``,
-  ``pause(tag)``, ``resume(tag)``; ``hook_mode = "torch"`` needs no LD_PRELOAD in this process, SGLang sets up its
-  own schedulers with ``configure_subprocess``).
+  ``torch_memory_saver.region("train", enable_cpu_backup=True)`` and paused/resumed by tag. The contract, read in
+  torch_memory_saver 0.0.10 (fzyzcjy/torch_memory_saver, checked by tests/test_tms_contract.py against the
+  installed package):
+
+  - ``hook_mode`` is write-only and only takes effect before the first ``region``/``pause``/``resume``/``disable``
+    (``entrypoint.py`` ``TorchMemorySaver.hook_mode`` setter and ``_ensure_initialized``: the first call builds the
+    implementation and deletes the settings; a later write raises AttributeError). Its default is ``"preload"``,
+    which asserts at that first call that ``LD_PRELOAD`` names the preload library (``hooks/mode_preload.py``);
+    milehpc's trainer process is not preloaded, so it sets ``"torch"`` (a ``CUDAPluggableAllocator`` on a
+    ``MemPool`` per tag, ``hooks/mode_torch.py``) *before* anything else touches the saver, and refuses a saver
+    already built in another mode. SGLang preloads its own scheduler processes (``configure_subprocess``).
+  - the native side is fatal on misuse (``csrc/core.cpp`` ``TorchMemorySaver::pause``/``resume``: ``exit(1)``):
+    pausing a tag that is already paused, or resuming one that is not paused, ends the process; allocating into
+    a paused tag leaves it half paused, so its next resume ends the process. :class:`ColocatedStep` keeps track
+    (one pause per resume, no ``train_region`` while paused) so those calls never reach the library.
+  - ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` makes the first call raise (``entrypoint.py``
+    ``_sanity_checks``).
 * **the update** reads the trainer's weights from a pinned CPU snapshot taken at the end of training
   (:class:`milehpc.weights.inplace.HostSnapshot`), uploads them *outside* any paused region and hands them to the
   engine (``update_weights_from_tensor``: CUDA IPC handles, no copy through NCCL), so the trainer can be paused
@@ -24,7 +37,8 @@ The order is Miles' (radixark/miles ``train.py``, default ``colocate_memory_peak
   rebuilds them (same ranks, same order) when training resumes, as slime's ``reloadable_process_group`` does.
 
 :class:`ColocatedStep` runs the sequence against any object with the memory-saver interface; the real one is
-:func:`torch_memory_saver_backend`, the tests use a recording stand-in (no GPU here).
+:func:`torch_memory_saver_backend`. The tests drive the real package with only its native binding replaced by a
+recording fake derived from the installed binary (tests/tms_real.py).
 """
 
 from __future__ import annotations
@@ -35,7 +49,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from milehpc.errors import missing_dependency
+from milehpc.errors import RuntimeFailure, missing_dependency
 from milehpc.rollout.sglang_mapping import ONLOAD_AFTER_UPDATE, ONLOAD_BEFORE_UPDATE
 from milehpc.weights.inplace import HostSnapshot
 
@@ -57,15 +71,26 @@ class MemorySaver(Protocol):
 
 
 def torch_memory_saver_backend(hook_mode: str = "torch") -> MemorySaver:
-    """The real memory saver (GPU only); one clear line when the package is missing."""
+    """The real memory saver (GPU only) in ``hook_mode``; one clear line when the package is missing.
+
+    The mode must be chosen before the saver's first use (see the module docstring): a saver that something else in
+    this process already built is accepted only in the same mode."""
     import importlib.util
 
     if importlib.util.find_spec("torch_memory_saver") is None:
         raise missing_dependency("resources.colocate = true", "torch-memory-saver")
     from torch_memory_saver import torch_memory_saver
 
-    with contextlib.suppress(AssertionError, AttributeError):  # already initialised: keep its mode
+    impl = getattr(torch_memory_saver, "_impl", None)
+    if impl is None:
         torch_memory_saver.hook_mode = hook_mode
+        return torch_memory_saver
+    # Built already: the setter would raise AttributeError, and silently keeping another mode hides a preload
+    # saver whose LD_PRELOAD the trainer process does not have.
+    have = getattr(impl, "_hook_mode", None)
+    if have != hook_mode:
+        raise RuntimeFailure(f"torch_memory_saver was already initialised in this process with hook_mode={have!r}; "
+                             f"milehpc needs hook_mode={hook_mode!r} set before its first region/pause/resume")
     return torch_memory_saver
 
 
@@ -166,6 +191,9 @@ class ColocatedStep:
     @contextlib.contextmanager
     def train_region(self) -> Iterator[None]:
         """Allocate trainer state (model, optimizer moments, grads) inside this (CPU backup on pause)."""
+        if self.train_paused:  # the native side would end the process at the next resume (module docstring)
+            raise RuntimeFailure(f"torch_memory_saver region {TRAIN_TAG!r} entered while the trainer's memory is "
+                                 "paused: onload_train() first")
         with self.saver.region(TRAIN_TAG, enable_cpu_backup=True):
             yield
 
@@ -186,6 +214,8 @@ class ColocatedStep:
         self._snapshot.take(self.trainer.export_weights())
 
     def offload_train(self) -> None:
+        if self.train_paused:  # a second pause of the same tag ends the process (csrc/core.cpp)
+            return
         before = self.memory_probe()
 
         def run() -> None:
@@ -195,7 +225,9 @@ class ColocatedStep:
                 self.groups.release()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-                torch.cuda.empty_cache()  # cached free blocks would otherwise be backed up to CPU too
+                # the default pool's cached blocks (export temporaries) go back to the device; the saver's own
+                # pool (torch hook mode: one MemPool per tag) is paused as a whole below
+                torch.cuda.empty_cache()
             self.saver.pause(TRAIN_TAG)
 
         self._timed("offload_train", run)

@@ -1,11 +1,33 @@
-"""``[trainer.lora]`` runs exported as peft adapter folders (the library side of ``milehpc export --adapter``)."""
+"""``[trainer.lora]`` runs exported as peft adapter folders (the library side of ``milehpc export --adapter``), and the
+checkpoint's policy (the job's base with the checkpoint's adapter) that ``milehpc export --merged`` merges."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from milehpc.errors import ConfigError
-from milehpc.train.lora import load_checkpoint_state
+from milehpc.train import lora
+
+if TYPE_CHECKING:
+    from milehpc.config.job import JobSpec
+
+
+def policy_from_checkpoint(job: JobSpec, model_state: dict[str, Any]) -> Any:
+    """The peft model the torch trainer held when it saved ``model_state`` (adapter-only, see
+    :func:`milehpc.train.lora.checkpoint_state`): the job's base, built as the trainer builds it, with the adapter
+    loaded (refused when the base differs from the one it was trained on)."""
+    from milehpc.data.tokenizer import build_tokenizer
+    from milehpc.models import build_model
+
+    if job.trainer.lora is None:
+        raise ConfigError("expected a run with [trainer.lora], got none", field="trainer.lora")
+    tok = build_tokenizer(job.model.tokenizer)
+    base = build_model(job.model, tok.vocab_size, seed=job.run.seed, pad_id=tok.pad_id, eos_id=tok.eos_id)
+    fingerprint = lora.fingerprint(base)
+    module = lora.attach(base, job.trainer.lora, seed=job.run.seed)
+    lora.load_checkpoint_state(module, model_state, base_fingerprint=fingerprint)
+    return module
 
 
 def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
@@ -13,8 +35,6 @@ def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
     + ``adapter_model.safetensors``) that ``PeftModel.from_pretrained(base, out)`` loads over the job's base."""
     from milehpc.checkpoint import Checkpointer
     from milehpc.config.load import run_job
-    from milehpc.data.tokenizer import build_tokenizer
-    from milehpc.train.torch_trainer import TorchTrainer
 
     run_dir = Path(run_dir)
     job = run_job(run_dir)
@@ -26,7 +46,5 @@ def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
     if newest is None:
         raise ConfigError("expected a committed checkpoint, got none", file=str(run_dir / "checkpoints"))
     state = ckpt.load(newest).state["trainer"]["trainer"]["model"]  # trainer rank 0's shard
-    trainer = TorchTrainer(job, build_tokenizer(job.model.tokenizer))
-    load_checkpoint_state(trainer.module, state, base_fingerprint=trainer.base_fingerprint)
-    trainer.module.save_pretrained(str(out))
+    policy_from_checkpoint(job, state).save_pretrained(str(out))
     return Path(out)

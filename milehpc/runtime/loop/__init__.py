@@ -14,7 +14,7 @@ Layouts (from the plan), one driver each:
 The pieces: ``protocol`` (tags, message kinds, the mailbox), ``state`` (what the loop carries across a restart),
 ``schedule`` (pure: versions, staleness, dealing, target reward), ``rollout_side`` and ``trainer_side`` (one rank's
 work on each side, used by every driver), ``rollout_metrics`` (the engines' counters → ``rollout/*`` metrics),
-``checkpointing`` (resume and step-boundary checkpoints),
+``checkpointing`` (resume and step-boundary checkpoints), ``evaluation`` (``run.eval_every`` on the held-out prompts),
 ``entry`` (``milehpc.runtime.loop:run``, what ``milehpc launch`` calls).
 """
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from milehpc.runtime.loop.evaluation import LoopEval, eval_due
 from milehpc.runtime.loop.rollout_metrics import merge_rollout_stats, rollout_metrics
 from milehpc.runtime.loop.rollout_side import RolloutSide
 from milehpc.runtime.loop.trainer_side import TrainerSide, world_facts
@@ -34,6 +35,7 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
     side = TrainerSide(job, trainer, run_dir=ctx.run_dir, dp_rank=dp, dp_size=plan.dp, leader=leader, file=file,
                        progress=progress)
     everyone = list(range(plan.world_size))
+    evals = LoopEval.for_job(job, file=file, announce=leader)
     side.static = world_facts(comms)
     try:
         checkpointing.restore(trainer=side, rollout=rollout)
@@ -70,6 +72,13 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
             rollout.state.weight_version = trainer.version
             metrics["time/step"] = time.perf_counter() - t0
             stop = comms.bcast(leader and side.target_reached(metrics), 0, everyone, what="stop flag")
+            if evals is not None and eval_due(job, step, stop or step == job.run.steps - 1):
+                # the engines hold this step's weights (colocated SGLang: onloaded again by train_phase)
+                part = evals.share(engine, rollout.state.weight_version, engine_index=e,
+                                   num_engines=plan.engines)
+                parts = comms.gather(part, 0, everyone, what=f"step {step} evaluation")
+                if leader:
+                    metrics.update(evals.metrics(parts))
             if leader:
                 side.report(step, metrics, all_groups)
             checkpointing.step_done(step, trainer=side, rollout=rollout, final=stop)

@@ -7,12 +7,15 @@ tag            direction                         messages
 =============  ================================  ====================================================================
 TAG_BATCH      engine leader → trainer rank 0    ``(BATCH, b, groups, stats)``; ``(RESYNC, b, [], {})`` after the
                                                  engine restarted; ``(BYE, step, [], {})`` after its last batch
-TAG_NOTICE     trainer rank 0 → rollout ranks    ``(WEIGHTS, version)`` (a weight sync follows), ``(CHECKPOINT,
-                                                 {"step", "stop"})``, ``(STOP, -1)``; taken between generations only
+TAG_NOTICE     trainer rank 0 → rollout ranks    ``(WEIGHTS, version)`` (a weight sync follows), ``(EVAL_WEIGHTS,
+                                                 (version, step))`` (a sync, then evaluate: :mod:`.evaluation`),
+                                                 ``(CHECKPOINT, {"step", "stop"})``, ``(STOP, -1)``; taken between
+                                                 generations only
 TAG_SHARE      trainer rank 0 → trainer ranks    ``(step, groups, last)``, or ``(step, RESYNC, version)``: an engine
                                                  restarted, join a re-sync of ``version`` first
 TAG_RESYNC     trainer rank 0 → rollout ranks    ``(WEIGHTS, version)`` of a re-sync (SGLang), ``(STOP, -1)``
 TAG_ALIVE      engine leader ↔ engine leaders    ``(b, healthy)`` before batch ``b`` (SGLang router)
+TAG_EVAL       engine leader → trainer rank 0    ``(step, EvalShare)``: its share of step ``step``'s evaluation
 =============  ================================  ====================================================================
 
 Sends never block (a blocking send could deadlock against a peer busy in a weight broadcast): the mailbox keeps each
@@ -29,11 +32,11 @@ if TYPE_CHECKING:
     from milehpc.comm.world import Comms
 
 TAG_BATCH, TAG_NOTICE, TAG_SHARE = 32101, 32102, 32103
-TAG_RESYNC, TAG_ALIVE = 32104, 32105
+TAG_RESYNC, TAG_ALIVE, TAG_EVAL = 32104, 32105, 32106
 
 # Message kinds.
 BATCH, RESYNC, BYE = "batch", "resync", "bye"
-WEIGHTS, CHECKPOINT, STOP = "weights", "checkpoint", "stop"
+WEIGHTS, CHECKPOINT, STOP, EVAL_WEIGHTS = "weights", "checkpoint", "stop", "weights+eval"
 STOP_NOTICE = (STOP, -1)
 
 

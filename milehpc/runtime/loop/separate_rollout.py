@@ -19,15 +19,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from milehpc.runtime.loop.evaluation import LoopEval
 from milehpc.runtime.loop.protocol import (
     BATCH,
     BYE,
     CHECKPOINT,
+    EVAL_WEIGHTS,
     RESYNC,
     STOP,
     STOP_NOTICE,
     TAG_ALIVE,
     TAG_BATCH,
+    TAG_EVAL,
     TAG_NOTICE,
     TAG_RESYNC,
     Mailbox,
@@ -54,6 +57,8 @@ class SeparateRollout:
         self.ckpt = checkpointing
         self.box = Mailbox(self.comms)
         self.direct = direct_weight_sync(self.job)
+        self.evals = LoopEval.for_job(self.job, file=str(ctx.run_dir / "job.toml"),
+                                      announce=e == 0) if self.side.leader else None
 
     def run(self) -> None:
         job, side, box = self.job, self.side, self.box
@@ -121,7 +126,7 @@ class SeparateRollout:
         if kind == CHECKPOINT:
             self.ckpt.on_notice(self.side, arg)
             return True
-        version = int(arg)
+        version, eval_step = arg if kind == EVAL_WEIGHTS else (int(arg), None)
         self.side.trained(version)
         if self.direct:  # the bytes go into the engine's schedulers through its own update group
             from milehpc.weights.sglang import sync_weights as direct_sync
@@ -131,10 +136,14 @@ class SeparateRollout:
                 engine.restart()  # died since the last generation: this sync rebuilds its group and fills it
             direct_sync(self.comms, version, engine=engine)
             self.side.state.weight_version = version
-            return True
-        from milehpc.weights.sync import sync_weights
+        else:
+            from milehpc.weights.sync import sync_weights
 
-        sync_weights(self.comms, version, engine=self.side)
+            sync_weights(self.comms, version, engine=self.side)
+        if eval_step is not None and self.evals is not None:  # engine leaders: evaluate these weights
+            part = self.evals.share(self.engine, self.side.state.weight_version, engine_index=self.side.e,
+                                    num_engines=self.plan.engines)
+            self.box.send((eval_step, part), 0, TAG_EVAL, f"evaluation of step {eval_step} to trainer rank 0")
         return True
 
     # ---- engines that receive weights directly (SGLang) ---------------------------------------------------

@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 from milehpc.errors import RuntimeFailure
 from milehpc.runtime.loop import schedule
+from milehpc.runtime.loop.evaluation import LoopEval, eval_due
 from milehpc.runtime.loop.protocol import (
     BATCH,
     BYE,
+    EVAL_WEIGHTS,
     RESYNC,
     STOP_NOTICE,
     TAG_BATCH,
+    TAG_EVAL,
     TAG_NOTICE,
     TAG_RESYNC,
     TAG_SHARE,
@@ -55,6 +58,8 @@ class SeparateTrainer:
         self.leaders = self.plan.engine_leaders()
         self.rollout_ranks = list(self.plan.rollout_group())
         self.trainers = list(self.plan.trainer_group())
+        # trainer rank 0 turns the engine leaders' evaluation results into eval/*
+        self.evals = LoopEval.for_job(self.job, answers=False) if self.leader else None
 
     def run(self) -> list[dict[str, float]]:
         job, side = self.job, self.side
@@ -72,9 +77,12 @@ class SeparateTrainer:
                     mine, last = self.take_share(step)
                 metrics.update(side.train(step, samples_of(mine)))
                 version = side.state.weight_version
-                if not last and version in schedule.sync_versions(job):
-                    metrics["time/sync"] = self.push_weights(version)
+                evaluate = eval_due(job, step, last)  # the weights after the last step go out only for this
+                if evaluate or (not last and version in schedule.sync_versions(job)):
+                    metrics["time/sync"] = self.push_weights(version, eval_step=step if evaluate else None)
                 metrics["time/step"] = time.perf_counter() - t0
+                if evaluate and self.leader:
+                    metrics.update(self.collect_eval(step))
                 if self.leader:
                     side.report(step, metrics, groups)
                 self.ckpt.step_done(step, trainer=side, mailbox=self.box, final=last)
@@ -86,9 +94,10 @@ class SeparateTrainer:
             side.close()
         return side.history
 
-    def push_weights(self, version: int, tag: int = TAG_NOTICE) -> float:
+    def push_weights(self, version: int, tag: int = TAG_NOTICE, *, eval_step: int | None = None) -> float:
         """Announce (rank 0) and send (stage leaders) the weights of ``version``; every trainer rank calls it (a
-        trainer whose export is a collective needs them all). Returns the seconds it took."""
+        trainer whose export is a collective needs them all). ``eval_step``: the engines evaluate these weights
+        as step ``eval_step``'s. Returns the seconds it took."""
         if self.direct:
             from milehpc.weights.sglang import sync_weights
         else:
@@ -97,7 +106,8 @@ class SeparateTrainer:
         t0 = time.perf_counter()
         if self.leader:
             for r in self.rollout_ranks:
-                self.box.send((WEIGHTS, version), r, tag, f"weight notice to rank {r}")
+                notice = (WEIGHTS, version) if eval_step is None else (EVAL_WEIGHTS, (version, eval_step))
+                self.box.send(notice, r, tag, f"weight notice to rank {r}")
         source = any(g.is_source for g in self.comms.sync_groups.values())
         if source or self.trainer.export_is_collective:
             named = list(self.trainer.export_weights())
@@ -132,6 +142,18 @@ class SeparateTrainer:
             _, rdp, _ = plan.trainer_coords(r)
             self.box.send((step, shares[rdp], last), r, TAG_SHARE, f"step {step} share to rank {r}")
         return groups, shares[self.dp], last, metrics
+
+    def collect_eval(self, step: int) -> dict[str, float]:
+        """Rank 0: every engine leader's share of step ``step``'s evaluation, as ``eval/*`` metrics."""
+        assert self.evals is not None
+        parts = []
+        for src in self.leaders:
+            got, part = self.box.recv(src, TAG_EVAL, f"evaluation of step {step} from engine leader {src}")
+            if got != step:
+                raise RuntimeFailure(f"trainer rank 0 expected the evaluation of step {step} from rank {src}, "
+                                     f"got step {got}")
+            parts.append(part)
+        return self.evals.metrics(parts)
 
     def receive_batch(self, step: int, src: int) -> tuple[list[Group], dict[str, float]]:
         """Engine leader ``src``'s batch of step ``step``; a re-sync request first (that engine restarted) gets

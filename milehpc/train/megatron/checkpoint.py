@@ -23,6 +23,9 @@ Resuming at another layout: the "megatron" trainer plugin registers :func:`can_r
 small state (it names the dist checkpoint) and :func:`load` reshards model and optimizer (see LoopCheckpoint for
 what else carries over). Rows of the TP vocabulary padding that the old layout did not have are zero-filled by
 Megatron (``allow_shape_mismatch`` of the embedding/output layer); they are masked out of every logprob.
+
+A critic (PPO/GAE, :mod:`.critic`) is saved beside the policy as ``critic`` / ``critic_optimizer``, its keys
+prefixed ``critic.`` so they do not collide with the policy's; it reshards the same way.
 """
 
 from __future__ import annotations
@@ -42,16 +45,28 @@ class CheckpointedTrainer(Protocol):
     module: Any  # the Megatron GPT model: sharded_state_dict(), load_state_dict()
     ddp: Any  # its DistributedDataParallel wrapper: zero_grad_buffer(), parameters()
     optimizer: Any  # the (distributed, maybe chained) Megatron optimizer
+    critic: Any  # None, or a MegatronCritic: module, ddp, optimizer as above
     version: int  # weight version
     steps: int  # optimizer steps taken
 
 
+def _trained(trainer: CheckpointedTrainer) -> list[tuple[str, str, Any]]:
+    """(state key, sharded key prefix, holder of module/ddp/optimizer) of every trained model: policy, critic."""
+    parts: list[tuple[str, str, Any]] = [("model", "", trainer)]
+    critic = getattr(trainer, "critic", None)
+    if critic is not None:
+        parts.append(("critic", "critic.", critic))
+    return parts
+
+
 def _sharded(trainer: CheckpointedTrainer, *, loading: bool) -> dict[str, Any]:
-    model_sd = trainer.module.sharded_state_dict()
-    return {
-        "model": model_sd,
-        "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=META),
-    }
+    out: dict[str, Any] = {}
+    for key, prefix, part in _trained(trainer):
+        model_sd = part.module.sharded_state_dict(prefix=prefix)
+        out[key] = model_sd
+        opt_key = "optimizer" if key == "model" else f"{key}_optimizer"
+        out[opt_key] = part.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=META)
+    return out
 
 
 def save(trainer: CheckpointedTrainer, directory: str | Path) -> Path:
@@ -72,7 +87,7 @@ def save(trainer: CheckpointedTrainer, directory: str | Path) -> Path:
     return path
 
 
-def _materialise_optimizer_state(trainer: CheckpointedTrainer) -> None:
+def _materialise_optimizer_state(trainer: Any) -> None:
     """Create Adam's state (exp_avg, exp_avg_sq, step) with a step that changes nothing (grads 0, lr 0)."""
     groups = trainer.optimizer.param_groups
     saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in groups]
@@ -88,7 +103,7 @@ def _materialise_optimizer_state(trainer: CheckpointedTrainer) -> None:
         g["lr"], g["weight_decay"] = lr, wd
 
 
-def _unshare_steps(trainer: CheckpointedTrainer) -> None:
+def _unshare_steps(trainer: Any) -> None:
     """Give every parameter its own ``step`` tensor (the loaded state shares one)."""
     import torch
 
@@ -105,13 +120,16 @@ def load(trainer: CheckpointedTrainer, directory: str | Path) -> dict[str, Any]:
     """Collective: load model and optimizer from ``directory`` into ``trainer`` at its current layout."""
     from megatron.core import dist_checkpointing
 
-    _materialise_optimizer_state(trainer)
+    parts = _trained(trainer)
+    for _, _, part in parts:
+        _materialise_optimizer_state(part)
     sharded = _sharded(trainer, loading=True)
     sharded["meta"] = {"version": 0, "steps": 0}
     state = dist_checkpointing.load(sharded, str(directory))
-    trainer.module.load_state_dict(state["model"], strict=False)
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    _unshare_steps(trainer)
+    for key, prefix, part in parts:
+        part.module.load_state_dict({k.removeprefix(prefix): v for k, v in state[key].items()}, strict=False)
+        part.optimizer.load_state_dict(state["optimizer" if key == "model" else f"{key}_optimizer"])
+        _unshare_steps(part)
     meta = state.get("meta") or {}
     trainer.version, trainer.steps = int(meta.get("version", 0)), int(meta.get("steps", 0))
     return meta

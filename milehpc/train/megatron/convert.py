@@ -304,6 +304,25 @@ def local_shard(full: dict[str, torch.Tensor], local_names: Iterable[str], *, tp
     return out
 
 
+def load_hf_weights(module: Any, hf_state: dict[str, torch.Tensor], arch: Arch, *, tp: int, dtype: Any,
+                    skip: tuple[str, ...] = ()) -> None:
+    """Load a full HF state dict into this rank's shard of ``module`` (its PP stage, TP rank and experts); the
+    parameters named in ``skip`` are the caller's to fill (a critic's value head)."""
+    from megatron.core import parallel_state as ps
+
+    from milehpc.train.megatron.model import expert_offset, layer_offset, padded_vocab_size
+
+    full = from_hf(hf_state, arch, padded_vocab=padded_vocab_size(arch.vocab_size, tp))
+    names = [n for n in module.state_dict() if not n.endswith("_extra_state") and n not in skip]
+    shard = local_shard(full, names, tp=tp, tp_rank=ps.get_tensor_model_parallel_rank(),
+                        layer_offset=layer_offset(module), expert_offset=expert_offset(arch))
+    missing = module.load_state_dict({k: v.to(dtype) for k, v in shard.items()}, strict=False)
+    bad = [k for k in missing.missing_keys if not k.endswith("_extra_state") and k not in skip]
+    bad += list(missing.unexpected_keys)
+    if bad:
+        raise RuntimeError(f"megatron trainer: converted HF weights do not fit the model: {bad[:5]}")
+
+
 def megatron_to_hf(named_tensors: Iterable[tuple[str, torch.Tensor | list[torch.Tensor]]], *, hf_config: Any = None,
                    arch: Arch | None = None, moe_layout: str = "transformers", tp: int = 1,
                    ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -197,11 +197,27 @@ def layer_spec(arch: Arch, *, te: bool) -> Any:
 
 
 def build_gpt(arch: Arch, config: Any, *, tp: int, te: bool = False, pre_process: bool | None = None,
-              post_process: bool | None = None) -> Any:
-    """This pipeline stage's GPTModel (parallel_state must be initialised). Logits stay vocab-parallel."""
+              post_process: bool | None = None, share_embeddings: bool | None = None, keep_rng: bool = False,
+              ) -> Any:
+    """This pipeline stage's GPTModel (parallel_state must be initialised). Logits stay vocab-parallel.
+    ``share_embeddings`` defaults to the HF config's tied embeddings; ``keep_rng`` leaves the process's and
+    Megatron's RNG streams as they were (a second model built after the policy, whose weights are loaded anyway,
+    must not change what the policy's run draws next)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    if keep_rng:
+        import torch
+        from megatron.core import tensor_parallel
+
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        states = dict(tracker.get_states())
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            model = build_gpt(arch, config, tp=tp, te=te, pre_process=pre_process, post_process=post_process,
+                              share_embeddings=share_embeddings)
+        if states:
+            tracker.set_states(states)
+        return model
     if arch.is_moe and config.moe_enable_routing_replay:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -214,11 +230,37 @@ def build_gpt(arch: Arch, config: Any, *, tp: int, te: bool = False, pre_process
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
         post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings if share_embeddings is None else share_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
     )
+
+
+def layer_offset(module: Any) -> int:
+    """The global index of this pipeline stage's first layer of ``module`` (a GPTModel)."""
+    layers = module.decoder.layers
+    return int(layers[0].layer_number) - 1 if len(layers) else 0
+
+
+def expert_offset(arch: Arch) -> int:
+    """The global index of this expert-parallel rank's first routed expert (0 for a dense model)."""
+    if not arch.is_moe:
+        return 0
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank() * (arch.num_experts // ps.get_expert_model_parallel_world_size())
+
+
+def freeze(module: Any, config: Any) -> Any:
+    """A frozen, forward-only model (a KL reference, a teacher): no gradients, eval mode, bf16 wrapped as the
+    policy is."""
+    module.requires_grad_(False).eval()
+    if config.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        module = Float16Module(config, module)
+    return module
 
 
 def attention_mask(valid: torch.Tensor) -> torch.Tensor:

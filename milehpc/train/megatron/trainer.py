@@ -22,6 +22,12 @@
   refuse it after an SFT warm-up, whose result only the policy's checkpoint holds). Its logprobs go into
   ``batch.ref_logprobs`` before the advantages (KL in the reward or in the loss, as in the torch trainer). With
   ``resources.colocate`` on a GPU it waits in CPU memory between uses.
+* **Teacher** (on-policy distillation): a frozen GPT model of its own architecture from ``trainer.options.
+  teacher_path``, sharded and offloaded like the reference (:mod:`.teacher`); its logprobs go into
+  ``batch.teacher_logprobs``.
+* **Critic** (PPO/GAE): a second trained GPT model with a value head, its own DDP wrapper, optimizer and place in the
+  dist checkpoint (:mod:`.critic`); its values go into ``batch.values`` before the advantages, and each epoch's
+  policy step is followed by its own.
 """
 
 from __future__ import annotations
@@ -134,8 +140,8 @@ class MegatronTrainer:
             from milehpc.algorithms.api import Algorithm
 
             algorithm = Algorithm.from_job(job)
-        # No critic or teacher model here, no KL reference after an SFT warm-up, MoE with tp = 1 and ep dividing the
-        # experts: the job rules refused anything else on the login node (milehpc.config.rules).
+        # No KL reference after an SFT warm-up, MoE with tp = 1 and ep dividing the experts, a teacher_path for
+        # distillation: the job rules refused anything else on the login node (milehpc.config.rules).
         self.algorithm = algorithm
         from_table = hf_config is None and hf_model is None and not job.model.path
         if hf_config is None:
@@ -178,80 +184,75 @@ class MegatronTrainer:
         self._load_hf(hf_model)
         # Built now, before any step or checkpoint load: the policy is still the initial one.
         self.ref = self._build_reference() if algorithm.needs_ref else None
+        self.teacher: Any = None
+        self.teacher_vocab = self.arch.vocab_size
+        if algorithm.needs_teacher:
+            from milehpc.train.megatron import teacher
+
+            self.teacher, self.teacher_vocab = teacher.build(self)
+        # Colocated on a GPU: the frozen models (reference, teacher) wait in CPU memory between uses.
         self.ref_offload = bool(job.resources.colocate) and self.device.type == "cuda"
         if self.device.type == "cuda":
             self.module.cuda()
-        if self.ref is not None:
-            # Colocated: the reference waits in CPU memory (Megatron builds it on the GPU when it has one).
-            self.ref.to("cpu" if self.ref_offload else self.device)
-        self.ddp, self.optimizer = self._wrap()
+        for frozen in (self.ref, self.teacher):
+            if frozen is not None:
+                # Colocated: frozen models wait in CPU memory (Megatron builds them on the GPU when it has one).
+                frozen.to("cpu" if self.ref_offload else self.device)
+        self.ddp, self.optimizer = self.wrap(self.module, self.config, lr=tr.lr)
+        self.critic: Any = None
+        if algorithm.needs_critic:
+            from milehpc.train.megatron.critic import MegatronCritic
+
+            self.critic = MegatronCritic(self)
         self.version = 0
         self.steps = 0
 
     # ---- construction ------------------------------------------------------------------------------------
     @property
     def layer_offset(self) -> int:
-        layers = self.module.decoder.layers
-        return int(layers[0].layer_number) - 1 if len(layers) else 0
+        from milehpc.train.megatron.model import layer_offset
+
+        return layer_offset(self.module)
 
     @property
     def expert_offset(self) -> int:
-        if not self.arch.is_moe:
-            return 0
-        ep = self.ps.get_expert_model_parallel_world_size()
-        return self.ps.get_expert_model_parallel_rank() * (self.arch.num_experts // ep)
+        from milehpc.train.megatron.model import expert_offset
 
-    def local_names(self) -> list[str]:
-        return [n for n in self.module.state_dict() if not n.endswith("_extra_state")]
+        return expert_offset(self.arch)
 
     def _load_hf(self, hf_model: Any) -> None:
         """Start from the HF weights the rollout engines start from (same builder, same seed)."""
-        from milehpc.train.megatron import convert
-        from milehpc.train.megatron.model import padded_vocab_size
+        from milehpc.train.megatron.convert import load_hf_weights
 
         if hf_model is None:
             from milehpc.models import build_model
 
             hf_model = build_model(self.job.model, self.vocab_size, seed=self.job.run.seed, pad_id=self.pad_id,
                                    eos_id=self.eos_id)
-        full = convert.from_hf(dict(hf_model.state_dict()), self.arch,
-                               padded_vocab=padded_vocab_size(self.arch.vocab_size, self.tp))
-        del hf_model
-        shard = convert.local_shard(full, self.local_names(), tp=self.tp, tp_rank=self.tp_rank,
-                                    layer_offset=self.layer_offset, expert_offset=self.expert_offset)
-        dtype = self.config.params_dtype
-        missing = self.module.load_state_dict({k: v.to(dtype) for k, v in shard.items()}, strict=False)
-        bad = [k for k in missing.missing_keys if not k.endswith("_extra_state")] + list(missing.unexpected_keys)
-        if bad:
-            raise RuntimeError(f"megatron trainer: converted HF weights do not fit the model: {bad[:5]}")
+        load_hf_weights(self.module, dict(hf_model.state_dict()), self.arch, tp=self.tp,
+                        dtype=self.config.params_dtype)
 
     def _build_reference(self) -> Any:
         """A frozen copy of the policy as loaded: same config and sharding, no DDP, no optimizer, no gradients."""
-        import copy
-
-        import torch
-
         from milehpc.train.megatron import model as mm
 
-        config = self.config
-        if self.replay:
-            # The routing-replay registry is per process and holds the policy's routers; the reference routes freely.
-            config = copy.copy(config)
-            config.moe_enable_routing_replay = False
-        # Building draws initial weights: leave the process's and Megatron's RNG streams as they were.
-        states = _tracker_states()
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            ref = mm.build_gpt(self.arch, config, tp=self.tp, te=self.te)
-        _set_tracker_states(states)
+        ref = mm.build_gpt(self.arch, self.routing_free_config(), tp=self.tp, te=self.te, keep_rng=True)
         ref.load_state_dict(self.module.state_dict(), strict=True)
-        ref.requires_grad_(False).eval()
-        if self.config.bf16:
-            from megatron.core.transformer.module import Float16Module
+        return mm.freeze(ref, self.config)
 
-            ref = Float16Module(self.config, ref)
-        return ref
+    def routing_free_config(self) -> Any:
+        """The policy's TransformerConfig for a second model (reference, critic): without routing replay, whose
+        registry is per process and holds the policy's routers (the second model routes freely)."""
+        import copy
 
-    def _wrap(self) -> tuple[Any, Any]:
+        if not self.replay:
+            return self.config
+        config = copy.copy(self.config)
+        config.moe_enable_routing_replay = False
+        return config
+
+    def wrap(self, module: Any, config: Any, *, lr: float) -> tuple[Any, Any]:
+        """A trained model's Megatron DDP wrapper and Adam optimizer (the policy's; the critic's at its own lr)."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -260,22 +261,21 @@ class MegatronTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         tr = self.job.trainer
-        module = self.module
-        if self.config.bf16:
+        if config.bf16:
             from megatron.core.transformer.module import Float16Module
 
-            module = Float16Module(self.config, module)
+            module = Float16Module(config, module)
         ddp = DistributedDataParallel(
-            self.config,
+            config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                           use_distributed_optimizer=tr.distributed_optimizer),
             module,
         )
-        self.config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = finalize_model_grads
         opt = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=tr.lr, min_lr=tr.min_lr, weight_decay=tr.weight_decay,
+            OptimizerConfig(optimizer="adam", lr=lr, min_lr=min(tr.min_lr, lr), weight_decay=tr.weight_decay,
                             adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
-                            clip_grad=tr.clip_grad, bf16=self.config.bf16, params_dtype=self.config.params_dtype,
+                            clip_grad=tr.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
                             use_distributed_optimizer=tr.distributed_optimizer),
             [ddp],
         )
@@ -371,7 +371,7 @@ class MegatronTrainer:
         RouterReplay.set_replay_data(self._replay_tensors(mb, pk))
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    def _run(self, mbs: list[Batch], loss_func: Any, *, forward_only: bool, model: Any = None) -> list[Any]:
+    def run_schedule(self, mbs: list[Batch], loss_func: Any, *, forward_only: bool, model: Any = None) -> list[Any]:
         """Megatron's forward(-backward) schedule over ``mbs`` through ``model`` (the policy's DDP wrapper unless
         given: the reference, forward only); returns the loss_func outputs (last stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -411,12 +411,13 @@ class MegatronTrainer:
             RouterReplay.clear_global_router_replay_action()
         return out
 
-    def _logprobs_of(self, mb: Batch, logits: torch.Tensor, *, entropy: bool = False,
+    def _logprobs_of(self, mb: Batch, logits: torch.Tensor, *, entropy: bool = False, vocab_size: int | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         sliced = mb.response_logits(logits)
         if self.temperature != 1.0:
             sliced = sliced / self.temperature
-        return vocab_parallel_logprobs(sliced, mb.responses.clamp(min=0), self.arch.vocab_size, entropy=entropy)
+        return vocab_parallel_logprobs(sliced, mb.responses.clamp(min=0), vocab_size or self.arch.vocab_size,
+                                       entropy=entropy)
 
     def _from_last_stage(self, obj: Any) -> Any:
         """Broadcast a python object from the last PP stage to the other stages of this pipeline."""
@@ -446,30 +447,36 @@ class MegatronTrainer:
         return reduce_floats(values, op, group=self.ps.get_data_parallel_group())
 
     # ---- Trainer protocol ---------------------------------------------------------------------------------
-    def _forward_logprobs(self, batch: Batch, model: Any = None) -> torch.Tensor:
-        """``[B, R]`` logprobs of ``batch``'s responses (the policy's, or ``model``'s: the reference), forward only,
-        on every PP stage, in the dtype of ``batch.response_mask``."""
+    def _forward_logprobs(self, batch: Batch, model: Any = None, vocab_size: int | None = None) -> torch.Tensor:
+        """``[B, R]`` logprobs of ``batch``'s responses (the policy's, or ``model``'s: the reference, the teacher
+        with its ``vocab_size``), forward only, on every PP stage, in the dtype of ``batch.response_mask``."""
+        return self.forward_rows(batch, lambda mb, logits: self._logprobs_of(mb, logits, vocab_size=vocab_size)[0],
+                                 model)
+
+    def forward_rows(self, batch: Batch, rows_of: Any, model: Any = None) -> torch.Tensor:
+        """``[B, R]``: ``rows_of(micro-batch, model output)`` of every micro-batch through ``model`` (default: the
+        policy), forward only, on every PP stage, in the dtype of ``batch.response_mask``."""
         import torch
 
-        def loss_func(mb: Batch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            logp, _ = self._logprobs_of(mb, logits)
-            return logits.new_zeros(()), {"logprobs": logp.detach().cpu()}
+        def loss_func(mb: Batch, out: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            return out.new_zeros(()), {"rows": rows_of(mb, out).detach().cpu()}
 
         (self.ddp if model is None else model).eval()
         with torch.no_grad():
-            out = self._run(self._micro_batches(batch), loss_func, forward_only=True, model=model)
-        rows = self._from_last_stage(torch.cat([o["logprobs"] for o in out]) if out else None)
+            out = self.run_schedule(self._micro_batches(batch), loss_func, forward_only=True, model=model)
+        rows = self._from_last_stage(torch.cat([o["rows"] for o in out]) if out else None)
         return rows[: batch.size].to(device=batch.response_mask.device, dtype=batch.response_mask.dtype)
 
-    def _reference_logprobs(self, batch: Batch) -> torch.Tensor:
-        """``[B, R]`` logprobs of the frozen reference; offloaded weights come in for the pass and go back."""
+    def _frozen_logprobs(self, batch: Batch, model: Any, vocab_size: int | None = None) -> torch.Tensor:
+        """``[B, R]`` logprobs of a frozen model (the reference, the teacher); offloaded weights come in for the
+        pass and go back."""
         if self.ref_offload:
-            self.ref.to(self.device)
+            model.to(self.device)
         try:
-            return self._forward_logprobs(batch, self.ref)
+            return self._forward_logprobs(batch, model, vocab_size)
         finally:
             if self.ref_offload:
-                self.ref.to("cpu")
+                model.to("cpu")
 
     def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         samples = self._replica_samples(samples)
@@ -486,7 +493,11 @@ class MegatronTrainer:
         batch = self._batch(samples)
         # The no-grad passes before the update, in the torch trainer's order (KL in the reward reads both).
         if self.ref is not None:
-            batch.ref_logprobs = self._reference_logprobs(batch)
+            batch.ref_logprobs = self._frozen_logprobs(batch, self.ref)
+        if self.teacher is not None:
+            batch.teacher_logprobs = self._frozen_logprobs(batch, self.teacher, self.teacher_vocab)
+        if self.critic is not None:
+            batch.values = self.critic.values(batch)
         if self.algorithm.needs_old_logprobs:
             batch.old_logprobs = self._forward_logprobs(batch)
         adv_metrics = self.algorithm.compute_advantages(batch, dp_sum=self._dp_sum_tensor if self.dp_size > 1 else None)
@@ -518,19 +529,23 @@ class MegatronTrainer:
             return loss * n_mb, {"metrics": metrics, **extra}
 
         self.ddp.train()
-        grad_norm = 0.0
+        grad_norm = critic_norm = 0.0
         outs: list[Any] = []
+        critic_outs: list[Any] = []
         for _epoch in range(self.job.algorithm.ppo_epochs):
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            outs = self._run(mbs, loss_func, forward_only=False)
+            outs = self.run_schedule(mbs, loss_func, forward_only=False)
             ok, norm, _ = self.optimizer.step()
             if not ok:
                 raise RuntimeError("megatron trainer: optimizer step skipped (non-finite gradients)")
             grad_norm = float(norm or 0.0)
+            if self.critic is not None:
+                critic_norm, critic_outs = self.critic.update(mbs, tokens=tokens, seqs=seqs)
         self.version += 1
         self.steps += 1
-        summary = self._from_last_stage(self._summarise(outs, tokens))
+        # The critic's outputs add its metrics and its value term to "loss" (the torch trainer's combined loss).
+        summary = self._from_last_stage(self._summarise(outs + critic_outs, tokens))
         keys = sorted(summary["sums"])
         reduced = self._dp_sum([summary["sums"][k] for k in keys] + [summary["diff_sum"], summary["diff_n"]])
         out = {f"train/{k}": v / self.dp_size for k, v in zip(keys, reduced, strict=False)}
@@ -540,6 +555,8 @@ class MegatronTrainer:
         adv = combine_rank_metrics(adv_metrics, self.dp_size, group=self.ps.get_data_parallel_group())
         out.update({f"train/{k}": v for k, v in adv.items()})
         out["train/grad_norm"] = grad_norm
+        if self.critic is not None:
+            out["critic/grad_norm"] = critic_norm
         out["train/lr"] = tr.lr * factor
         out["train/tokens"] = tokens
         if reduced[-1] > 0:
@@ -597,7 +614,7 @@ class MegatronTrainer:
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         optimizer.opt.zero_grad()
-        outs = self._run(mbs, loss_func, forward_only=False)
+        outs = self.run_schedule(mbs, loss_func, forward_only=False)
         ok, norm, _ = optimizer.opt.step()
         total = self._from_last_stage(sum(o["loss"] for o in outs) if outs else 0.0)
         return {"sft/loss": self._dp_sum([total])[0], "sft/grad_norm": float(norm or 0.0)}
@@ -617,18 +634,28 @@ class MegatronTrainer:
         dp=0); an empty list elsewhere. TP shards are gathered over the TP group, experts over the EP group.
         ``grads``: the last step's gradients (DP-reduced ``main_grad``) in the same names instead, to compare a
         step with the torch trainer's."""
+        return self.export_module(self.module, self.arch, moe_layout=moe_layout, grads=grads)
 
+    def export_module(self, module: Any, arch: Any, *, moe_layout: str = "transformers", grads: bool = False,
+                      raw: tuple[str, ...] = ()) -> list[tuple[str, torch.Tensor]]:
+        """:meth:`export_weights` of ``module`` (the policy, the critic) of architecture ``arch``; the parameters
+        named in ``raw`` are held whole on every TP rank and come under their Megatron names (a value head)."""
         from milehpc.train.megatron import convert
+        from milehpc.train.megatron.model import expert_offset, layer_offset
 
         leader = self.tp_rank == 0 and self.dp_rank == 0
-        expert_gather = self.arch.is_moe and self.ps.get_expert_model_parallel_world_size() > 1
+        expert_gather = arch.is_moe and self.ps.get_expert_model_parallel_world_size() > 1
         full: list[tuple[str, torch.Tensor]] = []
-        for name, p in self.module.named_parameters():
+        kept: list[tuple[str, torch.Tensor]] = []
+        for name, p in module.named_parameters():
             t = (p.main_grad if grads else p).detach()
+            if name in raw:
+                kept.append((name, t.cpu().contiguous()))
+                continue
             if ".local_experts." in name:
                 if expert_gather:
                     parts = self._gather(t, self.ps.get_expert_model_parallel_group())
-                    local = len(self.module.decoder.layers[0].mlp.experts.local_experts)
+                    local = len(module.decoder.layers[0].mlp.experts.local_experts)
                     idx = int(name.split(".local_experts.")[1].split(".")[0])
                     for r, part in enumerate(parts):
                         full.append((name.replace(f".local_experts.{idx}.", f".local_experts.{r * local + idx}."),
@@ -643,8 +670,8 @@ class MegatronTrainer:
             full.append((name, t))
         if not leader:
             return []
-        glob = convert.rename_layers(full, self.layer_offset, 0 if expert_gather else self.expert_offset)
-        return [(n, t.cpu().contiguous()) for n, t in convert.to_hf(glob, self.arch, moe_layout=moe_layout)]
+        glob = convert.rename_layers(full, layer_offset(module), 0 if expert_gather else expert_offset(arch))
+        return [(n, t.cpu().contiguous()) for n, t in convert.to_hf(glob, arch, moe_layout=moe_layout)] + kept
 
     @staticmethod
     def _gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
@@ -682,6 +709,8 @@ class MegatronTrainer:
             return state
         state["model"] = {k: v for k, v in self.ddp.state_dict().items() if not k.endswith("_extra_state")}
         state["optimizer"] = self.optimizer.state_dict()
+        if self.critic is not None:
+            state.update(self.critic.local_state())
         return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -700,6 +729,8 @@ class MegatronTrainer:
         else:
             self.ddp.load_state_dict(state["model"], strict=False)
             self.optimizer.load_state_dict(state["optimizer"])
+            if self.critic is not None:
+                self.critic.load_local_state(state)
         self.version, self.steps = int(state["version"]), int(state["steps"])
         if resharded:
             # The RNG tracker's streams belong to a TP rank of the old layout: keep the ones seeded for this

@@ -1,0 +1,115 @@
+"""``milehpc eval``: one checkpoint of a run evaluated after the fact, in one process — its policy weights loaded into
+the job's reference engine (CPU here; a GPU where there is one), the prompts of a file answered with the job's
+``[eval]`` settings (options may override them), scored with the job's reward routing, and the result written to
+``RUN_DIR/eval/step_<N>.json``. The same :class:`~milehpc.rollout.evaluate.Evaluator` as the loop's, with the same
+batches and seeds: a checkpoint's numbers equal the loop's evaluation of that step on the same prompts.
+
+``N`` is the checkpoint's step (steps done, the ``step-N`` folder); the loop logged the same weights' evaluation at
+metrics step ``N - 1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from milehpc.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from milehpc.export.source import Source
+
+REFERENCE_ENGINES = ("reference", "reference_process")
+
+
+@dataclass
+class EvalReport:
+    path: Path  # the JSON file written
+    step: int  # the checkpoint's step
+    metrics: dict[str, float]
+    sources: list[str]  # the prompts' data sources
+    notes: list[str]
+
+
+def eval_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "eval" / f"step_{step}.json"
+
+
+def policy_weights(source: Source) -> dict[str, torch.Tensor]:
+    """The checkpoint's policy in HF names (what the trainer's weight sync sends an engine): the torch trainer's
+    (FSDP2 shards joined; a LoRA run's base with its adapter merged) or Megatron's (``milehpc export``'s loader)."""
+    from milehpc.export.source import full_model_state
+
+    job = source.job
+    if job.trainer.backend == "megatron":
+        from milehpc.data.tokenizer import build_tokenizer
+        from milehpc.export.megatron import megatron_weights
+        from milehpc.train.megatron.model import hf_config_for
+
+        tok = build_tokenizer(job.model.tokenizer)
+        return megatron_weights(source, hf_config_for(job.model, tok.vocab_size, pad_id=tok.pad_id, eos_id=tok.eos_id))
+    if job.trainer.backend != "torch":
+        raise ConfigError(f"milehpc eval reads the torch and megatron trainers' checkpoints, got trainer.backend = "
+                          f"{job.trainer.backend!r}", file=str(source.run_dir / "job.json"), field="trainer.backend")
+    if job.trainer.lora is not None:
+        from milehpc.train.lora_export import policy_from_checkpoint
+
+        merged = policy_from_checkpoint(job, source.trainer["model"]).merge_and_unload()
+        return dict(merged.state_dict())
+    return full_model_state(source)
+
+
+def evaluate_checkpoint(run_dir: str | Path, data: str | Path, *, step: int | None = None,
+                        overrides: dict[str, Any] | None = None, force: bool = False) -> EvalReport:
+    """Evaluate checkpoint ``step`` (default: the newest) of the run in ``run_dir`` on the prompts of ``data``.
+    ``overrides``: ``[eval]`` fields (``n_samples``, ``pass_k``, ...) for this evaluation only."""
+    from milehpc.config.job import EvalSpec
+    from milehpc.config.schema import build, to_dict
+    from milehpc.export.source import load_source
+    from milehpc.rollout.evaluate import Evaluator, results_to_json
+    from milehpc.rollout.reference import build_engine
+
+    run_dir = Path(run_dir)
+    source = load_source(run_dir, step)
+    step = source.info.step
+    out = eval_path(run_dir, step)
+    if out.exists() and not force:
+        raise ConfigError("an evaluation of this step is there already: expected --force to replace it",
+                          file=str(out))
+    job = source.job
+    spec = build(EvalSpec, {**to_dict(job.eval), **(overrides or {})}, prefix="eval")
+    job = replace(job, eval=spec)
+    notes = []
+    if job.rollout.engine not in REFERENCE_ENGINES:
+        notes.append(f"the job's engine is {job.rollout.engine!r}: evaluating with the reference engine (same "
+                     "weights, sampling and seeds) in this process")
+    engine = build_engine(job)
+    engine.update_weights(policy_weights(source).items(), source.weight_version)
+    evaluator = Evaluator(job, engine.tokenizer, data=str(data))
+    results = evaluator.run(engine)
+    metrics = {**evaluator.metrics(results), "eval/weight_version": float(source.weight_version)}
+    record = {"format": 1, "run_dir": str(run_dir.resolve()), "step": step, "metric_step": step - 1,
+              "weight_version": source.weight_version, "checkpoint": str(source.info.path.resolve()),
+              "data": str(Path(data).resolve()), "engine": "reference", "eval": to_dict(spec),
+              "metrics": metrics, "results": results_to_json(results)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, out)  # a killed eval leaves no half-written result
+    return EvalReport(out, step, metrics, sorted({r.source for r in results}), notes)
+
+
+def metrics_table(metrics: dict[str, float], sources: list[str]) -> list[tuple[str, str, str, str, str]]:
+    """Rows (source, prompts, acc, pass@k..., mean reward) for printing: one per data source, then ``all``."""
+    rows = []
+    for name, prefix in [*((s, f"eval/{s}/") for s in sources), ("all", "eval/")]:
+        passes = "  ".join(f"{k.removeprefix(prefix)} {v:.3f}" for k, v in sorted(metrics.items())
+                           if k.startswith(prefix + "pass@"))
+        acc = metrics.get(prefix + "acc")
+        rows.append((name, f"{metrics.get(prefix + 'prompts', 0):.0f}", "-" if acc is None else f"{acc:.3f}",
+                     passes or "-", f"{metrics.get(prefix + 'reward_mean', 0.0):.3f}"))
+    return rows
