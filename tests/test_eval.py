@@ -177,3 +177,6 @@ def test_milehpc_eval_of_each_checkpoint_gives_the_loop_numbers(tmp_path: Path) 
     assert bad.exit_code == 2 and "--step: expected one of the run's checkpoint steps (1, 2), got 7" in bad.output
     bad = runner.invoke(cli, ["eval", str(run), "--data", str(val), "--k", "5", "--force"])
     assert bad.exit_code == 2 and "eval.pass_k: expected each k between 1 and n_samples (3), got 5" in bad.output
+    # A generated task has no end (the loop's rule refuses it too): one line, not an evaluation that never ends.
+    bad = runner.invoke(cli, ["eval", str(run), "--data", "task:sort", "--force"])
+    assert bad.exit_code == 2 and "--max-prompts: " in bad.output and "expected" in bad.output, bad.output

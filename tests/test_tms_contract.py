@@ -129,3 +129,29 @@ def test_contract_tms_colocated_step_order_at_the_binding() -> None:
         with pytest.raises(RuntimeFailure, match="hook_mode='torch'"):
             torch_memory_saver_backend("preload")
         assert torch_memory_saver_backend("torch") is inst.saver
+
+
+def test_contract_tms_checkpoint_runs_while_the_trainer_is_resident() -> None:
+    """The loop's checkpoint hook (``train_phase(resident=...)``) runs after training and before the pause, as
+    Miles/slime save: the trainer's tensors are read while its tag is active at the binding."""
+    with tms_real.installed() as inst:
+        story: list[str] = []
+        colo = ColocatedStep(_Engine(story), None, torch_memory_saver_backend(), memory_probe=lambda: 0)
+        with colo.train_region():
+            colo.trainer = _Trainer(story)
+        colo.initial_sync(0)
+        story.clear()
+        native = inst.native
+        native.events = story
+        seen: list[str] = []
+
+        def checkpoint(metrics: dict[str, float]) -> None:
+            assert metrics == {"loss": 0.0}  # train()'s own metrics
+            seen.append(native.tags["train"])
+            story.append("checkpoint")
+
+        colo.train_phase(lambda: colo.trainer.train_step([], 0), resident=checkpoint)
+        assert seen == ["active"]
+        assert story == ["resume:train", "region:train", "trainer.train_step", "checkpoint", "pause:train",
+                         "engine.resume_memory:weights", "engine.update_weights:1",
+                         "engine.resume_memory:kv_cache,cuda_graph"]

@@ -82,6 +82,9 @@ def evaluate_checkpoint(run_dir: str | Path, data: str | Path, *, step: int | No
                           file=str(out))
     job = source.job
     spec = build(EvalSpec, {**to_dict(job.eval), **(overrides or {})}, prefix="eval")
+    if str(data).startswith("task:") and spec.max_prompts == 0:  # as the loop's rule: a generated task has no end
+        raise ConfigError(f"a generated task ({data}) has no end: expected --max-prompts N > 0 (or eval.max_prompts "
+                          "in the job), got 0", field="--max-prompts")
     job = replace(job, eval=spec)
     notes = []
     if job.rollout.engine not in REFERENCE_ENGINES:

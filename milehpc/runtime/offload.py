@@ -266,10 +266,13 @@ class ColocatedStep:
         self.offload_rollout()
         return out
 
-    def train_phase(self, train: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """Second half: onload train → ``train()`` inside the pausable region → snapshot → offload train → onload
-        weights → update weights (to the trainer's new version) → onload KV cache. Returns ``train()``'s metrics
-        with the update time (``time/sync``) and the step's memory figures."""
+    def train_phase(self, train: Callable[[], dict[str, float]],
+                    resident: Callable[[dict[str, float]], None] | None = None) -> dict[str, float]:
+        """Second half: onload train → ``train()`` inside the pausable region → snapshot → ``resident(metrics)``
+        → offload train → onload weights → update weights (to the trainer's new version) → onload KV cache.
+        ``resident`` runs while the trainer's memory is on the device, outside the pausable region: the checkpoint
+        reads the trainer's tensors (Miles/slime save after training, before offloading). Returns ``train()``'s
+        metrics with the update time (``time/sync``) and the step's memory figures."""
         self.onload_train()
 
         def run() -> dict[str, float]:
@@ -279,6 +282,8 @@ class ColocatedStep:
             return metrics
 
         metrics = dict(self._timed("train", run))
+        if resident is not None:
+            resident(metrics)
         self.offload_train()
         self.onload_weights()
         self.update_weights(self.trainer.version)

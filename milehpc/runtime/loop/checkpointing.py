@@ -6,6 +6,7 @@ two sides (:class:`~milehpc.runtime.loop.trainer_side.TrainerSide`,
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,14 @@ if TYPE_CHECKING:
     from milehpc.runtime.loop.protocol import Mailbox
     from milehpc.runtime.loop.rollout_side import RolloutSide
     from milehpc.runtime.loop.trainer_side import TrainerSide
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """A checkpoint written for a requeue request: the rank exits once the step is finished."""
+
+    done: int
+    path: Path
 
 
 class CommsCollective:
@@ -169,6 +178,12 @@ class LoopCheckpoint:
         ``rollout`` side): checkpoint if due, and stop if a requeue was asked. ``final``: the loop ends after this
         step although steps remain (``run.target_reward`` reached) — that end is checkpointed like the last step.
         Separate groups: trainer rank 0 tells the rollout ranks through its ``mailbox``."""
+        self.requeue_if(self.save_if_due(step, trainer=trainer, rollout=rollout, mailbox=mailbox, final=final))
+
+    def save_if_due(self, step: int, *, trainer: TrainerSide, rollout: RolloutSide | None = None,
+                    mailbox: Mailbox | None = None, final: bool = False) -> Requeue | None:
+        """:meth:`step_done` without the requeue exit: the colocated loop saves while the trainer's memory is
+        resident (before it is paused) and exits only after the step is reported (:meth:`requeue_if`)."""
         done = step + 1
         last = final or done >= self.job.run.steps
         requested = self.watcher.requested()
@@ -176,8 +191,10 @@ class LoopCheckpoint:
             decision = self._decide_for_groups(done, requested, last, mailbox)
         else:
             decision = self.ck.at_step_end(done, requested=requested, last=last)
-        if decision.save:
-            self.save(done, trainer=trainer, rollout=rollout, stop=decision.stop)
+        if not decision.save:
+            return None
+        path = self.write(done, trainer=trainer, rollout=rollout)
+        return Requeue(done, path) if decision.stop else None
 
     def _decide_for_groups(self, done: int, requested: bool, last: bool, mailbox: Mailbox | None) -> Decision:
         comms, plan = self.comms, self.plan
@@ -204,6 +221,12 @@ class LoopCheckpoint:
     def save(self, done: int, *, trainer: TrainerSide | None, rollout: RolloutSide | None, stop: bool) -> None:
         """Collective over every rank: write this rank's sides after ``done`` steps; with ``stop``, then end the
         rank for a requeue (:class:`~milehpc.runtime.signals.RequeueExit`)."""
+        path = self.write(done, trainer=trainer, rollout=rollout)
+        if stop:
+            self.requeue_if(Requeue(done, path))
+
+    def write(self, done: int, *, trainer: TrainerSide | None, rollout: RolloutSide | None) -> Path:
+        """Collective over every rank: write this rank's sides after ``done`` steps; returns the directory."""
         state: dict[str, Any] = {}
         samples: dict[str, Any] = {}
         meta: dict[str, Any] = {"restart_count": restart_count(), "steps_done": done}
@@ -214,10 +237,15 @@ class LoopCheckpoint:
             state["rollout"] = rollout.state_dict()
             samples.update(rollout.sample_buffers())
             meta.setdefault("data", rollout.state.data)
-        path = self.ck.save(done, state, samples=samples, meta=meta)
-        if stop:
-            self.watcher.acknowledge(done, path)
-            if self.rank == 0:
-                print(f"milehpc: checkpointed after step {done} in {path}; exiting with 75 to be requeued",
-                      flush=True)
-            raise RequeueExit(f"checkpointed after step {done} for a requeue")
+        return self.ck.save(done, state, samples=samples, meta=meta)
+
+    def requeue_if(self, requeue: Requeue | None) -> None:
+        """End this rank for a requeue (:class:`~milehpc.runtime.signals.RequeueExit`) after the checkpoint that
+        was asked for it."""
+        if requeue is None:
+            return
+        self.watcher.acknowledge(requeue.done, requeue.path)
+        if self.rank == 0:
+            print(f"milehpc: checkpointed after step {requeue.done} in {requeue.path}; exiting with 75 to be "
+                  "requeued", flush=True)
+        raise RequeueExit(f"checkpointed after step {requeue.done} for a requeue")

@@ -18,7 +18,7 @@ from milehpc.weights.sync import sync_weights
 if TYPE_CHECKING:
     from milehpc.comm.context import RunContext
     from milehpc.rollout.engine import Engine
-    from milehpc.runtime.loop.checkpointing import LoopCheckpoint
+    from milehpc.runtime.loop.checkpointing import LoopCheckpoint, Requeue
     from milehpc.runtime.offload import ColocatedStep
     from milehpc.train.base import Trainer
 
@@ -62,16 +62,30 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
             counts = comms.allgather(len(groups), everyone, what=f"step {step} group counts")
             # A rank without data cannot join the gradient all-reduce: then nobody trains this step.
             samples = samples_of(groups) if min(counts) > 0 else []
+            ends: list[tuple[bool, Requeue | None, float]] = []
+
+            def end_training(train_metrics: dict[str, float], step: int = step, metrics: dict[str, float] = metrics,
+                             ends: list[tuple[bool, Requeue | None, float]] = ends) -> None:
+                """Stop flag and checkpoint while the trainer's memory is resident: a colocated trainer is paused
+                right after this, and its state_dict would read paused device memory."""
+                metrics.update(train_metrics)
+                rollout.state.weight_version = trainer.version
+                stop = comms.bcast(leader and side.target_reached(metrics), 0, everyone, what="stop flag")
+                side.unreported = {"step": step, **metrics}  # its reward belongs to the checkpoint's window
+                t = time.perf_counter()
+                requeue = checkpointing.save_if_due(step, trainer=side, rollout=rollout, final=stop)
+                ends.append((stop, requeue, time.perf_counter() - t))
+
             if colo is None:
-                metrics.update(side.train(step, samples))
+                end_training(side.train(step, samples))
                 t1 = time.perf_counter()
                 sync_weights(comms, trainer.version, named_tensors=trainer.export_weights(), engine=rollout)
                 metrics["time/sync"] = time.perf_counter() - t1
             else:
-                metrics.update(colo.train_phase(lambda step=step, samples=samples: side.train(step, samples)))
-            rollout.state.weight_version = trainer.version
-            metrics["time/step"] = time.perf_counter() - t0
-            stop = comms.bcast(leader and side.target_reached(metrics), 0, everyone, what="stop flag")
+                metrics.update(colo.train_phase(lambda step=step, samples=samples: side.train(step, samples),
+                                                resident=end_training))
+            (stop, requeue, saving), = ends
+            metrics["time/step"] = time.perf_counter() - t0 - saving  # as before: a step's time, not its save's
             if evals is not None and eval_due(job, step, stop or step == job.run.steps - 1):
                 # the engines hold this step's weights (colocated SGLang: onloaded again by train_phase)
                 part = evals.share(engine, rollout.state.weight_version, engine_index=e,
@@ -81,7 +95,7 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
                     metrics.update(evals.metrics(parts))
             if leader:
                 side.report(step, metrics, all_groups)
-            checkpointing.step_done(step, trainer=side, rollout=rollout, final=stop)
+            checkpointing.requeue_if(requeue)  # after the report: the resumed run starts after this step
             if stop:
                 break
     finally:

@@ -40,6 +40,8 @@ class TrainerSide:
         self.started = time.time()
         self.history: list[dict[str, float]] = []
         self.static: dict[str, float] = {}  # logged with the first step (world layout facts)
+        # this step's metrics when a checkpoint is written before report() (colocated: while the trainer is resident)
+        self.unreported: dict[str, float] | None = None
 
     # -- SFT warm-up --
     def sft_batches(self) -> Iterator[list[Sample]]:
@@ -101,6 +103,7 @@ class TrainerSide:
             metrics.update(self.static)
             self.static = {}
         self.history.append({"step": step, **metrics})
+        self.unreported = None
         if self.metrics is not None:
             self.metrics.log(step, metrics)
             if self.job.run.check_logprobs and "train/logprob_diff_max" in metrics:
@@ -123,10 +126,11 @@ class TrainerSide:
 
     # -- checkpoint --
     def state_dict(self) -> dict[str, Any]:
+        rows = self.history + ([self.unreported] if self.unreported is not None else [])
         out = {"loop": self.state.state_dict(), "trainer": self.trainer.state_dict_for_checkpoint(),
                # the last steps' rewards: a resumed run judges run.target_reward over the same window
                "recent": [{"step": h["step"], "rollout/reward_mean": h["rollout/reward_mean"]}
-                          for h in self.history[-schedule.TARGET_WINDOW:] if "rollout/reward_mean" in h]}
+                          for h in rows[-schedule.TARGET_WINDOW:] if "rollout/reward_mean" in h]}
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
