@@ -155,6 +155,12 @@ class Doctor:
         warning = version_warning("megatron-core", TESTED_MEGATRON_CORE)
         if warning:
             self.add("megatron-core", WARN, warning)
+        from milehpc.config.sglang_options import TESTED_GPU_PACKAGES
+
+        for dist, tested in TESTED_GPU_PACKAGES.items():  # sglang, torch_memory_saver (the gpu extra's pins)
+            warning = version_warning(dist, tested)
+            if warning:
+                self.add(dist, WARN, warning)
 
     def check_memory(self, job: Any, site: Any, part: Any, part_name: str) -> None:
         """The memory estimate (milehpc.memory) of the job's largest rank against the partition's devices."""

@@ -27,4 +27,6 @@ PY="${PYTHON:-python3}"
 for plugin in plugins/*/; do
     .venv/bin/python -m pip install -q -e "$plugin"
 done
+# The real sglang engine on the CPU for the contract and loop tests (the kernel is built once per machine, cached).
+bash scripts/setup-sglang-cpu.sh
 echo "setup: done ($(.venv/bin/milehpc --version))"

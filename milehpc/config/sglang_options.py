@@ -91,3 +91,76 @@ def parse_options(options: dict[str, Any], *, file: str | None = None) -> SGLang
                               file=file, field=f"rollout.options.server_args.{key}")
     return opts
 
+
+
+def rl_quantization_args(args: dict[str, Any], *, random_init: bool) -> dict[str, Any]:
+    """The RL-correct loader for a quantized rollout: SGLang quantizes once at load, so bf16 weights pushed by every
+    sync into a plain ``quantization="fp8"`` engine do not become the served fp8 weights. sglang 0.5.23's reload path
+    is ``load_format="flash_rl"`` (``QuantizedRLModelLoader`` in ``model_loader/loader.py``: it records the native
+    loaders at the first load and re-quantizes each update into the existing fp8 buffers). It is fp8 only and needs a
+    real first load, so anything else is refused with one line."""
+    quant = args.get("quantization")
+    if not quant:
+        return args
+    if quant != "fp8":
+        raise ConfigError(f"SGLang can reload weights into a quantized engine only for fp8 (load_format='flash_rl'); "
+                          f"{quant!r} rollout is not supported", field="trainer.fp8_recipe")
+    if random_init:
+        raise ConfigError("fp8 rollout needs a checkpoint folder: SGLang's flash_rl loader records the weight loaders "
+                          "at the first real load (load_format='dummy' has none)", field="model.path")
+    if args.get("load_format") not in (None, "auto", "flash_rl"):
+        raise ConfigError(f"fp8 rollout reloads weights with load_format='flash_rl', not {args['load_format']!r}",
+                          field="rollout.options.server_args.load_format")
+    return {**args, "load_format": "flash_rl"}
+
+
+def server_arg_names(server_args_cls: Any) -> set[str]:
+    """Field names of SGLang's ``ServerArgs``: a ``msgspec.Struct`` in sglang 0.5.23 (``__struct_fields__``), a
+    dataclass in older releases."""
+    fields = getattr(server_args_cls, "__struct_fields__", None)
+    if fields is not None:
+        return set(fields)
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(server_args_cls)}
+
+
+def check_against_server_args(args: dict[str, Any], *, extra: dict[str, Any] | None = None,
+                              server_args_cls: Any = None) -> None:
+    """Inside the job (sglang imports): every argument milehpc passes must be a real ``ServerArgs`` field, and the
+    loader / speculative choices must be ones this sglang knows (one ConfigError line naming the field)."""
+    if server_args_cls is None:
+        from sglang.srt.server_args import ServerArgs as server_args_cls
+    known = server_arg_names(server_args_cls)
+    for key in extra or {}:
+        if key not in known:
+            raise ConfigError("not an SGLang ServerArgs field", field=f"rollout.options.server_args.{key}")
+    for key in args:
+        if key != "custom_sigquit_handler" and key not in known:
+            raise ConfigError(f"this sglang has no ServerArgs field {key!r} (milehpc was tested with sglang "
+                              f"{TESTED_SGLANG})", field="rollout.engine")
+    choices = _sglang_choices()
+    if args.get("load_format") and choices.get("load_format") and args["load_format"] not in choices["load_format"]:
+        raise ConfigError(f"this sglang has no load_format {args['load_format']!r}", field="rollout.options")
+    algo = args.get("speculative_algorithm")
+    if algo:
+        try:
+            from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+            SpeculativeAlgorithm.from_string(algo)
+        except ImportError:
+            pass
+        except (ValueError, KeyError) as err:
+            raise ConfigError(f"SGLang does not know speculative algorithm {algo!r}: {err}",
+                              field="rollout.options.speculative.algorithm") from err
+
+
+TESTED_SGLANG = "0.5.23"  # the version the contract tests ran against (pyproject's gpu extra pins it)
+
+
+def _sglang_choices() -> dict[str, list[str]]:
+    try:
+        from sglang.srt.arg_groups import choices
+    except ImportError:
+        return {}
+    return {"load_format": list(getattr(choices, "LOAD_FORMAT_CHOICES", []) or [])}

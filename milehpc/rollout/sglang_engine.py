@@ -42,13 +42,15 @@ radixark/miles ``train.py`` (offload order). Facts are listed in :mod:`milehpc.r
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from milehpc.config.sglang_options import SGLangOptions, parse_options
+from milehpc.config.sglang_options import SGLangOptions, parse_options, rl_quantization_args
 from milehpc.errors import ConfigError, RuntimeFailure
 from milehpc.rollout import sglang_mapping as sm
 
@@ -59,6 +61,21 @@ if TYPE_CHECKING:
     from milehpc.samples import Sample
 
 ENGINE_PORT_BASE = 30000  # + engine index * 16; never served (the Engine API is in-process) but must be free
+
+# The settings the real sglang 0.5.23 engine runs with on a CPU (../shared/notes/sglang-on-cpu.md): no CUDA graphs or
+# flashinfer, one scheduler step at a time, a small KV pool, no warm-up request.
+CPU_SERVER_ARGS: dict[str, Any] = {
+    "device": "cpu", "attention_backend": "torch_native", "disable_overlap_schedule": True,
+    "mem_fraction_static": 0.05, "max_total_tokens": 4096, "chunked_prefill_size": -1, "skip_server_warmup": True,
+}
+
+
+def version_note() -> str | None:
+    """One line when the installed sglang is not the one the contract tests ran against (None when it is)."""
+    from milehpc.config.sglang_options import TESTED_SGLANG
+    from milehpc.config.tested_versions import version_warning
+
+    return version_warning("sglang", TESTED_SGLANG)
 
 
 def _alive(pid: int) -> bool:
@@ -75,6 +92,38 @@ def _children() -> set[int]:
     import psutil
 
     return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+# SGLang's children (scheduler exception handler, SubprocessWatchdog) signal a failure with SIGQUIT to this rank.
+# The launch-phase handler is ``ServerArgs.custom_sigquit_handler``, which sglang deep-copies and pickles into the
+# spawned scheduler: it must be a module-level function (a bound method drags the engine's RLock along and the
+# engine never starts). It marks every live engine of this process dead; health() reports it, the loop restarts.
+_LIVE: weakref.WeakSet[SGLangEngine] = weakref.WeakSet()
+
+
+def sigquit_handler(signum: int = signal.SIGQUIT, frame: Any = None) -> None:
+    """SIGQUIT from an SGLang child: mark this process's engines dead instead of killing the rank."""
+    for engine in list(_LIVE):
+        engine._dead_reason = engine._dead_reason or "an SGLang subprocess signalled a failure (SIGQUIT)"
+
+
+def _report_instead_of_kill(engine: Any) -> None:
+    """The tokenizer manager installs its own SIGQUIT handler on the first request (``auto_create_handle_loop``:
+    ``running_phase_sigquit_handler`` → ``kill_process_tree(os.getpid())``, the whole MPI rank). Give it a handler
+    class whose SIGQUIT only reports; SIGTERM keeps SGLang's behaviour."""
+    tm = getattr(engine, "tokenizer_manager", None)
+    base = getattr(tm, "signal_handler_class", None)
+    if tm is None or base is None:
+        return
+
+    class ReportingSignalHandler(base):  # type: ignore[misc, valid-type]
+        def running_phase_sigquit_handler(self, signum: Any = None, frame: Any = None) -> None:
+            watchdog = getattr(self.tokenizer_manager, "_subprocess_watchdog", None)
+            if watchdog is not None:
+                watchdog.stop()  # it would signal again every poll
+            sigquit_handler(signum, frame)
+
+    tm.signal_handler_class = ReportingSignalHandler
 
 
 def model_folder(ctx: Any, vocab_size: int, pad_id: int, eos_id: int) -> tuple[str, bool]:
@@ -111,7 +160,7 @@ class SGLangEngine:
 
     def __init__(self, job: Any, server_args: dict[str, Any], opts: SGLangOptions, *, engine: int = 0,
                  engine_rank: int = 0, eos_id: int | None = None, moe_shape: tuple[int, int] | None = None,
-                 colocated: bool = False, version: int = 0, engine_factory: Any = None) -> None:
+                 colocated: bool = False, version: int = 0, engine_factory: Any = None, gather: Any = None) -> None:
         self.job = job
         self._factory = engine_factory  # None = sglang.Engine (tests pass a stand-in: no GPU here)
         self.server_args = dict(server_args)
@@ -127,6 +176,10 @@ class SGLangEngine:
         self.tokens_generated = 0
         self.update_groups: dict[str, dict[str, Any]] = {}  # group name -> init_weights_update_group kwargs
         self._last_names: list[str] = []
+        self.unreadable: set[str] = set()  # names get_weights_by_name answered None for
+        self._session_open = False
+        # engine_rank > 0 of a multi-rank colocated engine: payload -> the leader (returns all, by engine rank)
+        self.gather: Any = gather
         self._lock = threading.RLock()
         self._dead_reason: str | None = None
         self._engine: Any = None
@@ -140,6 +193,13 @@ class SGLangEngine:
             import sglang  # the plugin registry checked it is installed
 
             factory = sglang.Engine
+            note = version_note()
+            if note:
+                import sys
+
+                print(f"milehpc: {note}", file=sys.stderr, flush=True)
+        if self.server_args.get("device") == "cpu":
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # else sglang imports vllm for its CPU ops
         if self.server_args.get("nnodes", 1) > 1:
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
         # Logprobs of the temperature-scaled distribution (SGLang's default), which is what the trainer recomputes;
@@ -147,17 +207,15 @@ class SGLangEngine:
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
         before = _children()
         # A dying scheduler sends SIGQUIT to its parent; SGLang's default handler then kills this whole rank.
-        # ``custom_sigquit_handler`` (a ServerArgs field) lets us mark the engine dead and restart it instead.
-        args = {**self.server_args, "custom_sigquit_handler": self._on_sigquit}
+        args = {**self.server_args, "custom_sigquit_handler": sigquit_handler}
+        _LIVE.add(self)
         try:
             self._engine = factory(**args)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"SGLang refused the engine arguments: {err}", field="rollout.options") from err
+        _report_instead_of_kill(self._engine)
         self._pids = _children() - before
         self._dead_reason = None
-
-    def _on_sigquit(self, signum: int, frame: Any) -> None:
-        self._dead_reason = "an SGLang subprocess signalled a failure (SIGQUIT)"
 
     def health(self) -> bool:
         """False when a scheduler/detokenizer child of this rank has died (or SGLang signalled a failure)."""
@@ -181,6 +239,7 @@ class SGLangEngine:
             self._start()
             self.restarts += 1
             self.update_groups.clear()
+            self._session_open = False
             self.version = -1
 
     @property
@@ -242,25 +301,91 @@ class SGLangEngine:
         engine.loop.call_soon_threadsafe(lambda: tm.abort_request(abort_all=True))
 
     # ---- weights ------------------------------------------------------------------------------------------------
+    @property
+    def selector(self) -> str:
+        """Which SGLang model runners a weight update goes to. With speculative decoding the trainer's tensors are
+        the target model's: ``"all"`` (SGLang's default) would also load them into the draft model."""
+        return "target" if self.server_args.get("speculative_algorithm") else "all"
+
+    def _request(self, what: str, req: str, method: str, **fields: Any) -> Any:
+        """Send an SGLang ``io_struct`` request through the tokenizer manager (the ``Engine`` methods do the same
+        but do not expose ``selector``) and raise one clear error unless it succeeded."""
+        from sglang.srt.managers import io_struct
+
+        engine = self._engine
+        obj = getattr(io_struct, req)(**fields)
+        result = self._call(what, lambda: engine.loop.run_until_complete(
+            getattr(engine.tokenizer_manager, method)(obj, None)))
+        _check_result(what, result)
+        return result
+
+    def _begin_session(self) -> None:
+        # SGLang refuses updates outside a begin/end session (managers/scheduler_components/weight_updater.py).
+        if not self._session_open:
+            self._request("begin_weight_update", "BeginWeightUpdateReqInput", "begin_weight_update",
+                          selector=self.selector)
+            self._session_open = True
+
+    def _end_session(self) -> None:
+        if self._session_open:
+            self._session_open = False
+            self._request("end_weight_update", "EndWeightUpdateReqInput", "end_weight_update")
+
+    def _abandon_session(self) -> None:
+        """After a failed update: close the session so the next sync can open one (errors here are secondary)."""
+        import contextlib
+
+        with contextlib.suppress(Exception):
+            self._end_session()
+        self._session_open = False
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Colocated path: load GPU tensors (HF names) through CUDA IPC, bucket by bucket, then flush once."""
-        if not self.is_leader:
-            return
+        """Colocated path: load this rank's tensors (HF names) bucket by bucket inside one weight-update session,
+        then flush once. With ``gpus_per_engine > 1`` every rank of the engine calls this with the tensors on its
+        own GPU: each serializes them (CUDA-IPC handles only the scheduler on the same GPU can open) and the leader
+        sends one request carrying one payload per TP rank, as slime does."""
         bucket_bytes = self.opts.weight_bucket_mb << 20
         names: list[str] = []
+        tp = int(self.server_args.get("tp_size", 1))
         with self._lock:
-            for bucket in sm.buckets(named_tensors, bucket_bytes):
-                if any(t.is_cuda for _, t in bucket):
-                    import torch
-
-                    # The scheduler reads these through CUDA IPC on its own stream: our copies must be done.
-                    torch.cuda.current_stream().synchronize()
-                self._call("update_weights_from_tensor", self._engine.update_weights_from_tensor,
-                           named_tensors=bucket, load_format=None, flush_cache=False)
-                names.extend(n for n, _ in bucket)
+            try:
+                if self.is_leader:
+                    self._begin_session()
+                for bucket in sm.buckets(named_tensors, bucket_bytes):
+                    payloads = self._gather_payloads(bucket, tp)
+                    if self.is_leader:
+                        self._request("update_weights_from_tensor", "UpdateWeightsFromTensorReqInput",
+                                      "update_weights_from_tensor", serialized_named_tensors=payloads,
+                                      load_format=None, flush_cache=False, selector=self.selector)
+                    names.extend(n for n, _ in bucket)
+                if not self.is_leader:
+                    return
+                self._end_session()
+            except BaseException:
+                if self.is_leader:
+                    self._abandon_session()
+                raise
             self._call("flush_cache", self._engine.flush_cache)
             self._last_names = names
             self.version = version
+
+    def _gather_payloads(self, bucket: list[tuple[str, torch.Tensor]], tp: int) -> list[Any]:
+        """One serialized payload per TP rank, in TP-rank order (``deserialize_own_rank`` picks index tp_rank)."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if any(t.is_cuda for _, t in bucket):
+            import torch
+
+            # The scheduler reads these through CUDA IPC on its own stream: our copies must be done.
+            torch.cuda.current_stream().synchronize()
+        mine = MultiprocessingSerializer.serialize(bucket, output_str=True)
+        if tp == 1:
+            return [mine]
+        if self.gather is None:
+            raise RuntimeFailure(f"SGLang engine {self.engine_index} spans {tp} ranks but has no way to gather "
+                                 "their weight payloads (gather=None)")
+        got = self.gather(mine)
+        return route_payloads(got, tp) if self.is_leader else []
 
     def join_update_group(self, *, master_address: str, master_port: int, world_size: int, stage: int,
                           backend: str = "nccl") -> None:
@@ -272,30 +397,51 @@ class SGLangEngine:
                   "world_size": int(world_size), "group_name": sm.group_name(stage), "backend": backend}
         with self._lock:
             if kwargs["group_name"] in self.update_groups:  # rebuilt after another engine restarted
-                self._call("destroy_weights_update_group", self._engine.destroy_weights_update_group,
-                           group_name=kwargs["group_name"])
+                result = self._call("destroy_weights_update_group", self._engine.destroy_weights_update_group,
+                                    group_name=kwargs["group_name"])
                 del self.update_groups[kwargs["group_name"]]
+                _check_result("destroy_weights_update_group", result)
             result = self._call("init_weights_update_group", self._engine.init_weights_update_group, **kwargs)
         _check_result("init_weights_update_group", result)
         self.update_groups[kwargs["group_name"]] = kwargs
 
     def receive_bucket(self, meta: dict[str, list], *, stage: int) -> None:
-        """Separate-ranks path: receive one bucket the trainer broadcasts (``meta`` = names/dtypes/shapes)."""
+        """Separate-ranks path: receive one bucket the trainer broadcasts (``meta`` = names/dtypes/shapes), inside
+        the sync's weight-update session (opened at the first bucket, closed by :meth:`finish_update`)."""
         if not self.is_leader:
             return
         with self._lock:
-            result = self._call("update_weights_from_distributed", self._engine.update_weights_from_distributed,
-                                names=meta["names"], dtypes=meta["dtypes"], shapes=meta["shapes"],
-                                group_name=sm.group_name(stage), flush_cache=False)
-        _check_result("update_weights_from_distributed", result)
+            try:
+                self._begin_session()
+                self._request("update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
+                              "update_weights_from_distributed", names=meta["names"], dtypes=meta["dtypes"],
+                              shapes=meta["shapes"], group_name=sm.group_name(stage), flush_cache=False,
+                              selector=self.selector)
+            except BaseException:
+                self._abandon_session()
+                raise
         self._last_names.extend(meta["names"])
 
     def finish_update(self, version: int) -> None:
-        """After the last bucket of every stage: flush the radix cache once and take the new version."""
+        """After the last bucket of every stage: close the session, flush the radix cache once, take the version."""
         if not self.is_leader:
             return
         with self._lock:
+            try:
+                self._end_session()
+            except BaseException:
+                self._abandon_session()
+                raise
             self._call("flush_cache", self._engine.flush_cache)
+            self.version = version
+
+    def load_weights_from_disk(self, path: str, version: int) -> None:
+        """Reload every weight from an HF checkpoint folder (``Engine.update_weights_from_disk``), result checked."""
+        if not self.is_leader:
+            return
+        with self._lock:
+            result = self._call("update_weights_from_disk", self._engine.update_weights_from_disk, path)
+            _check_result("update_weights_from_disk", result)
             self.version = version
 
     def begin_update(self) -> None:
@@ -314,6 +460,11 @@ class SGLangEngine:
         for name in self._last_names:
             values = self._call("get_weights_by_name", self._engine.get_weights_by_name, name,
                                 truncate_size=self.opts.check_weights_truncate)
+            if values is None:
+                # Models without get_weights_by_name (Qwen2 in sglang 0.5.23) answer None: leave the name out, so a
+                # weight check reports it missing instead of crashing; the logprob check still covers the sync.
+                self.unreadable.add(name)
+                continue
             yield name, torch.as_tensor(values).flatten()
 
     # ---- colocated memory ----------------------------------------------------------------------------------------
@@ -344,6 +495,15 @@ class SGLangEngine:
                 "tokens_generated": self.tokens_generated, "colocated": self.colocated,
                 "weights_truncated_to": self.opts.check_weights_truncate,
                 "speculative": self.server_args.get("speculative_algorithm")}
+
+
+def route_payloads(gathered: list[Any], tp_size: int) -> list[Any]:
+    """The leader's list of per-rank weight payloads, gathered over the engine's ranks in engine-rank order (engine
+    rank r drives TP rank r on its own GPU): one per TP rank, none missing."""
+    if len(gathered) != tp_size or any(p is None for p in gathered):
+        have = [i for i, p in enumerate(gathered) if p is not None]
+        raise RuntimeFailure(f"expected one weight payload per TP rank (0..{tp_size - 1}), got ranks {have}")
+    return list(gathered)
 
 
 def _check_result(what: str, result: Any) -> None:
@@ -393,16 +553,26 @@ def from_context(ctx: Any, *, engine_factory: Any = None) -> SGLangEngine:
     args = sm.server_args(job, opts, precision, layout, model_path=path, tokenizer_path=tok_path)
     if random_init:
         args["load_format"] = "dummy"
-    if opts.server_args and engine_factory is None:
-        import dataclasses
+    import torch
 
-        from sglang.srt.server_args import ServerArgs
+    if not torch.cuda.is_available():
+        args = {**CPU_SERVER_ARGS, **args}
+    args = rl_quantization_args(args, random_init=random_init)
+    if engine_factory is None:
+        from milehpc.config.sglang_options import check_against_server_args
 
-        sm.check_server_args_known(opts.server_args, (f.name for f in dataclasses.fields(ServerArgs)))
+        check_against_server_args(args, extra=opts.server_args)
     if opts.spec is not None and opts.spec.draft_model_path and not Path(opts.spec.draft_model_path).is_dir():
         raise ConfigError(f"expected a local folder, got {opts.spec.draft_model_path!r}",
                           field="rollout.options.speculative.draft_model_path")
     moe = (job.model.num_layers, job.model.moe_top_k) if job.model.num_experts else None
+    gather = None
+    if job.resources.colocate and layout.gpus_per_engine > 1:
+        leader = ctx.plan.engine_leaders()[layout.engine]
+        members = list(range(leader, leader + layout.gpus_per_engine))
+
+        def gather(payload: Any) -> Any:
+            return ctx.comms.gather(payload, leader, members, what=f"engine {layout.engine}'s weight payloads")
     return SGLangEngine(job, args, opts, engine=layout.engine, engine_rank=layout.engine_rank,
                         eos_id=int(tokenizer.eos_id), moe_shape=moe, colocated=job.resources.colocate,
-                        version=-1 if random_init else 0, engine_factory=engine_factory)
+                        version=-1 if random_init else 0, engine_factory=engine_factory, gather=gather)

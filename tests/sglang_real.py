@@ -1,0 +1,66 @@
+"""Shared helpers of the tests that run the REAL sglang engine on the CPU (scripts/setup-sglang-cpu.sh installs it).
+
+``require_real_sglang()`` skips with the reason (or fails under ``MILEHPC_REQUIRE_ALL=1``) when the vendored kernel
+source is absent, the CPU cannot run the kernel, or the setup did not install sglang / the kernel."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from required import unavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+VENDOR = ROOT.parent / "shared" / "vendor" / "sglang-kernel-cpu"
+TESTED = "0.5.23"
+
+
+def real_sglang_missing() -> str | None:
+    """Why the real engine cannot run here, or None."""
+    if not (VENDOR / "pyproject.toml").is_file():
+        return f"the real sglang engine needs the CPU kernel source at {VENDOR} (absent)"
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = f" {line} "
+                break
+    except OSError:
+        pass
+    if " avx512f " not in flags and " avx2 " not in flags:
+        return "the CPU kernel of sglang needs AVX-512 or AVX2 (this CPU has neither)"
+    for module in ("sglang", "sgl_kernel"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed in this venv: run bash scripts/setup-sglang-cpu.sh"
+    return None
+
+
+def require_real_sglang() -> None:
+    reason = real_sglang_missing()
+    if reason:
+        unavailable(reason)
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+
+
+def tiny_qwen2(folder: Path, *, seed: int = 0, vocab: int = 64) -> Path:
+    """A tiny randomly initialised Qwen2 saved as an HF checkpoint folder (config + safetensors)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
+    model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    return folder
+
+
+def engine_args(model: Path, **extra: Any) -> dict[str, Any]:
+    from milehpc.rollout.sglang_engine import CPU_SERVER_ARGS
+
+    return {**CPU_SERVER_ARGS, "model_path": str(model), "skip_tokenizer_init": True, "dtype": "float32",
+            "random_seed": 0, "log_level": "error", **extra}

@@ -1,0 +1,299 @@
+"""milehpc's SGLang engine against the REAL sglang 0.5.23 ``Engine`` running on the CPU (``pytest -k contract``).
+
+One engine (tiny random Qwen2, float32) serves the whole module: start, generation, the three weight-update paths
+through milehpc's own code (tensor, disk, distributed over gloo with milehpc's trainer side), each bracketed by a
+begin/end session and checked, with the engine's logprobs compared to the trainer model's after every sync; the
+refusal outside a session; ``get_weights_by_name`` answering None; release/resume of memory (memory saving off);
+and the real SIGQUIT path: the scheduler process killed, the rank survives, the engine restarts in place."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sglang_real import TESTED, engine_args, require_real_sglang, tiny_qwen2
+
+PROMPTS = [[5, 9, 3, 7], [11, 4, 8]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    require_real_sglang()
+    return tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from milehpc.config.sglang_options import parse_options
+    from milehpc.rollout.sglang_engine import SGLangEngine
+
+    eng = SGLangEngine(None, engine_args(model_dir), parse_options({}), eos_id=None)
+    yield eng
+    eng.shutdown()
+
+
+def hf_model(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def generate(engine, n_tokens: int = 6):
+    from milehpc.rollout.engine import SamplingParams
+
+    return engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=n_tokens))
+
+
+def trainer_logprobs(model, sample) -> list[float]:
+    import torch
+
+    ids = torch.tensor([list(sample.prompt_ids) + list(sample.response_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    logp = torch.log_softmax(logits[0, :-1], dim=-1)
+    p = len(sample.prompt_ids)
+    return [float(logp[p - 1 + i, t]) for i, t in enumerate(sample.response_ids)]
+
+
+def assert_logprobs_agree(engine, model) -> list:
+    """The logprob check after a sync: the engine's sampled-token logprobs equal the trainer model's."""
+    samples = generate(engine)
+    for s in samples:
+        assert len(s.response_ids) > 0 and len(s.rollout_logprobs) == len(s.response_ids)
+        want = trainer_logprobs(model, s)
+        diff = max(abs(a - b) for a, b in zip(s.rollout_logprobs, want, strict=True))
+        assert diff < 1e-3, f"engine vs trainer logprobs differ by {diff}"
+    return samples
+
+
+def test_contract_imports_the_tested_sglang():
+    require_real_sglang()
+    import sglang
+
+    assert sglang.__version__ == TESTED
+
+
+def test_contract_engine_starts_generates_and_matches_transformers(engine, model_dir):
+    # Fault 1: starting at all needs a picklable custom_sigquit_handler (sglang spawns its scheduler with pickle).
+    model = hf_model(model_dir)
+    samples = assert_logprobs_agree(engine, model)
+    import torch
+
+    for s in samples:
+        ref = model.generate(torch.tensor([s.prompt_ids]), max_new_tokens=len(s.response_ids), do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(s.prompt_ids):].tolist()
+        assert list(s.response_ids) == ref
+
+
+def test_contract_updates_outside_a_session_are_refused_and_milehpc_says_so(engine):
+    import torch
+
+    from milehpc.errors import RuntimeFailure
+    from milehpc.rollout.sglang_engine import _check_result
+
+    ok, message = engine._engine.update_weights_from_tensor([("model.norm.weight", torch.ones(32))])
+    assert not ok and "begin_weight_update" in message
+    with pytest.raises(RuntimeFailure, match="must run between begin_weight_update"):
+        _check_result("update_weights_from_tensor", (ok, message))
+
+
+def test_contract_update_from_tensor_then_disk_with_logprob_check(engine, model_dir):
+    # Fault 2: milehpc's update brackets the bucket with begin/end_weight_update and checks every answer.
+    import torch
+
+    model = hf_model(model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.opts.weight_bucket_mb = 1
+    engine.update_weights([(n, t.detach().clone()) for n, t in model.state_dict().items()], version=1)
+    assert engine.version == 1 and not engine._session_open
+    assert_logprobs_agree(engine, model)
+    engine.load_weights_from_disk(str(model_dir), version=2)
+    assert_logprobs_agree(engine, hf_model(model_dir))
+
+
+def test_contract_failed_update_raises_one_clear_error(engine):
+    import torch
+
+    from milehpc.errors import RuntimeFailure
+
+    with pytest.raises(RuntimeFailure, match="update_weights_from_tensor failed"):
+        engine.update_weights([("model.no_such.weight", torch.ones(3))], version=9)
+    assert engine.version != 9 and not engine._session_open
+    engine.update_weights([("model.norm.weight", engine_norm_ones())], version=3)  # a session opens again
+
+
+def engine_norm_ones():
+    import torch
+
+    return torch.ones(32)
+
+
+def test_contract_get_weights_by_name_none_does_not_crash(engine):
+    # Fault 5: Qwen2 in sglang 0.5.23 has no get_weights_by_name: the engine answers None.
+    assert engine._engine.get_weights_by_name("model.norm.weight", truncate_size=10) is None
+    engine._last_names = ["model.norm.weight"]
+    assert dict(engine.named_parameters()) == {}
+    assert engine.unreadable == {"model.norm.weight"}
+
+
+def test_contract_update_from_distributed_over_gloo(engine, model_dir):
+    """milehpc's trainer side (host_store + join_update_group, rank 0) broadcasts; the engine receives through
+    milehpc's begin_update / join_update_group / receive_bucket / finish_update."""
+    import torch
+
+    from milehpc.comm.net import host_store
+    from milehpc.rollout import sglang_mapping as sm
+    from milehpc.weights.sglang import join_update_group, leave_update_group
+
+    model = hf_model(model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    named = [(n, t.detach().contiguous()) for n, t in model.state_dict().items()]
+    store, port = host_store("127.0.0.1", f"contract-{os.getpid()}", 2, 60.0)
+    pg_box: dict = {}
+    joiner = threading.Thread(target=lambda: pg_box.setdefault("pg", join_update_group(
+        store, world_size=2, rank=0, group_name=sm.group_name(0), backend="gloo", timeout=60.0)))
+    joiner.start()
+    engine.begin_update()
+    engine.join_update_group(master_address="127.0.0.1", master_port=port, world_size=2, stage=0, backend="gloo")
+    joiner.join(60)
+    pg = pg_box["pg"]
+    import torch.distributed as dist
+
+    for bucket in sm.buckets(named, 4096):
+        def send(bucket=bucket) -> None:
+            for _, t in bucket:
+                opts = dist.BroadcastOptions()
+                opts.rootRank, opts.rootTensor = 0, 0
+                pg.broadcast([t], opts).wait()
+        sender = threading.Thread(target=send)
+        sender.start()
+        engine.receive_bucket(sm.weight_metadata(bucket), stage=0)
+        sender.join(60)
+    engine.finish_update(4)
+    assert engine.version == 4 and not engine._session_open
+    assert_logprobs_agree(engine, model)
+    engine._call("destroy", engine._engine.destroy_weights_update_group, group_name=sm.group_name(0))
+    engine.update_groups.clear()
+    leave_update_group(pg)
+
+
+def test_contract_release_resume_memory_in_miles_order(engine, model_dir):
+    """Colocated ordering with memory saving off: release → resume weights → update → resume KV cache → generate."""
+    from milehpc.rollout import sglang_mapping as sm
+
+    model = hf_model(model_dir)
+    engine.release_memory()
+    engine.resume_memory(list(sm.ONLOAD_BEFORE_UPDATE))
+    engine.update_weights([(n, t.detach().clone()) for n, t in model.state_dict().items()], version=5)
+    engine.resume_memory(list(sm.ONLOAD_AFTER_UPDATE))
+    assert_logprobs_agree(engine, model)
+
+
+def test_contract_scheduler_killed_rank_survives_engine_restarts(engine, model_dir):
+    """Fault 1 (running phase): kill the real scheduler; SGLang's watchdog sends SIGQUIT to this process, whose
+    tokenizer-manager handler would kill_process_tree the rank. milehpc's handler reports it; restart; re-sync."""
+    import psutil
+
+    generate(engine)  # the tokenizer manager's running-phase SIGQUIT handler is installed by now
+    procs = [psutil.Process(p) for p in engine._pids if psutil.pid_exists(p)]
+    scheduler = [p for p in procs if "scheduler" in " ".join(p.cmdline()) + p.name()]
+    assert scheduler, [p.name() for p in procs]
+    os.kill(scheduler[0].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while engine._dead_reason is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert engine._dead_reason and "SIGQUIT" in engine._dead_reason  # the report came through the SIGQUIT path
+    assert not engine.health()
+    engine.restart()
+    assert engine.health() and engine.needs_weight_sync and engine.restarts == 1
+    engine.load_weights_from_disk(str(model_dir), version=6)  # the re-sync
+    assert_logprobs_agree(engine, hf_model(model_dir))
+
+
+def test_contract_server_args_are_a_msgspec_struct_and_milehpc_reads_its_fields():
+    # Fault 3: dataclasses.fields(ServerArgs) raises TypeError on sglang 0.5.23's msgspec struct.
+    require_real_sglang()
+    from sglang.srt.server_args import ServerArgs
+
+    from milehpc.config.sglang_options import check_against_server_args, server_arg_names
+    from milehpc.errors import ConfigError
+    from milehpc.rollout.sglang_engine import CPU_SERVER_ARGS
+
+    names = server_arg_names(ServerArgs)
+    assert {"model_path", "custom_sigquit_handler", "load_format", "speculative_algorithm"} <= names
+    check_against_server_args({**CPU_SERVER_ARGS, "model_path": "/m"}, extra={"schedule_policy": "lpm"})
+    with pytest.raises(ConfigError, match="rollout.options.server_args.no_such_arg: not an SGLang ServerArgs field"):
+        check_against_server_args({"model_path": "/m"}, extra={"no_such_arg": 1})
+    with pytest.raises(ConfigError, match="speculative algorithm 'BOGUS'"):
+        check_against_server_args({"speculative_algorithm": "BOGUS"})
+    check_against_server_args({"speculative_algorithm": "EAGLE", "quantization": "fp8", "load_format": "flash_rl"})
+
+
+def test_contract_fp8_rollout_reloads_with_flash_rl_and_spec_updates_target_only():
+    # Fault 9, against the installed source: flash_rl is a load format of this sglang, the update requests carry a
+    # selector, and "target" leaves the draft model alone.
+    require_real_sglang()
+    from sglang.srt.arg_groups.choices import LOAD_FORMAT_CHOICES
+    from sglang.srt.managers import io_struct
+    from sglang.srt.managers.scheduler_components.weight_updater import _parse_runner_selector
+
+    from milehpc.config.sglang_options import parse_options, rl_quantization_args
+    from milehpc.errors import ConfigError
+    from milehpc.rollout.sglang_engine import SGLangEngine
+
+    assert "flash_rl" in LOAD_FORMAT_CHOICES
+    assert rl_quantization_args({"quantization": "fp8"}, random_init=False)["load_format"] == "flash_rl"
+    with pytest.raises(ConfigError, match="needs a checkpoint folder"):
+        rl_quantization_args({"quantization": "fp8", "load_format": "dummy"}, random_init=True)
+    with pytest.raises(ConfigError, match="only for fp8"):
+        rl_quantization_args({"quantization": "mxfp8"}, random_init=False)
+    for req in ("BeginWeightUpdateReqInput", "UpdateWeightsFromTensorReqInput",
+                "UpdateWeightsFromDistributedReqInput"):
+        assert "selector" in getattr(io_struct, req).__struct_fields__
+    assert _parse_runner_selector("target") == {"target"}
+    spec = SGLangEngine.__new__(SGLangEngine)
+    spec.server_args = {"speculative_algorithm": "EAGLE"}
+    assert spec.selector == "target"
+    plain = SGLangEngine.__new__(SGLangEngine)
+    plain.server_args = {}
+    assert plain.selector == "all"
+    assert parse_options({}).max_restarts >= 1
+
+
+def test_contract_colocated_tp2_sends_one_payload_per_rank():
+    # Fault 4: each TP rank's scheduler deserializes index tp_rank only (TpModelWorker.deserialize_own_rank); the
+    # payload at that index must be the tensors of the trainer rank on the same GPU, not the leader's.
+    require_real_sglang()
+    import torch
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from milehpc.config.sglang_options import parse_options
+    from milehpc.errors import RuntimeFailure
+    from milehpc.rollout.sglang_engine import SGLangEngine, route_payloads
+
+    slots: list = [None, None]  # what comms.gather over the engine's ranks returns on the leader, by engine rank
+
+    def rank(r: int) -> SGLangEngine:
+        eng = SGLangEngine.__new__(SGLangEngine)
+        eng.engine_rank, eng.is_leader, eng.engine_index = r, r == 0, 0
+        eng.server_args, eng.opts = {"tp_size": 2}, parse_options({})
+        eng.gather = lambda payload: (slots.__setitem__(r, payload), list(slots) if r == 0 else None)[1]
+        return eng
+
+    buckets = {r: [("w", torch.full((2,), float(r)))] for r in (0, 1)}  # each rank's tensors on its own GPU
+    assert rank(1)._gather_payloads(buckets[1], 2) == []
+    payloads = rank(0)._gather_payloads(buckets[0], 2)
+    for tp_rank in (0, 1):
+        (name, tensor), = MultiprocessingSerializer.deserialize(payloads[tp_rank])
+        assert name == "w" and tensor.tolist() == [float(tp_rank)] * 2
+    with pytest.raises(RuntimeFailure, match=r"one weight payload per TP rank \(0..1\), got ranks \[0\]"):
+        route_payloads([b"x", None], 2)
