@@ -62,6 +62,12 @@ def hf_config(spec: ModelSpec, vocab_size: int, *, pad_id: int = 0, eos_id: int 
     return _family(spec.arch)[0](**common)
 
 
+def causal_lm_class(spec: ModelSpec) -> type:
+    """The transformers causal-LM class of ``spec``'s family (its name is what an HF config's ``architectures``
+    lists)."""
+    return _family("qwen2_moe" if spec.num_experts > 0 else spec.arch)[1]
+
+
 def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int = 0, eos_id: int = 2,
                 value_head: bool = False) -> torch.nn.Module:
     """A causal LM (or, with ``value_head``, a per-token scalar critic) from ``spec``.
@@ -90,7 +96,7 @@ def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int 
             model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         return model
     config = hf_config(spec, vocab_size, pad_id=pad_id, eos_id=eos_id)
-    _, causal_lm, token_cls = _family("qwen2_moe" if spec.num_experts > 0 else spec.arch)
+    causal_lm, token_cls = causal_lm_class(spec), _family("qwen2_moe" if spec.num_experts > 0 else spec.arch)[2]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if value_head:

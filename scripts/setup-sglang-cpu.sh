@@ -30,7 +30,7 @@ if [[ " $flags " == *" avx512f "* ]]; then
 elif [[ " $flags " == *" avx2 "* ]]; then
     # No AVX-512 (e.g. some EPYC VMs): the kernel's own non-AVX-512 code paths (the ones its Arm build uses), with
     # the AVX-512/AMX-only ops (int4/int8/fp8 MoE and GEMMs, fused QKV) left out; the Qwen2 path needs none of them.
-    variant=avx2v2  # v2: with the stubs of scripts/sglang_kernel_portable.py (v1 did not load)
+    variant="avx2-$(sha256sum scripts/sglang_kernel_portable.py | cut -c1-8)"  # rebuilt when the stubs change
 else
     echo "setup-sglang-cpu: this CPU has neither AVX-512 nor AVX2; the real-engine tests will skip" >&2
     exit 0

@@ -21,7 +21,7 @@ def make_portable(text: str) -> str:
                                '-march=x86-64-v3 -fopenmp)\nelseif(FALSE)\n    add_compile_options(')
 
 
-# Three ops stay registered unconditionally in torch_extension_cpu.cpp; the Arm build defines them in aarch64/ (NEON),
+# Four ops stay registered unconditionally in torch_extension_cpu.cpp; the Arm build defines them in aarch64/ (NEON),
 # the x86 ones are AVX-512 only. Without a definition the library does not load (undefined symbol), so the AVX2 build
 # gets stubs that refuse at call time (int8 GEMM and the fused MoE: not on the dense bf16/fp32 path).
 STUBS = """#include <ATen/ATen.h>
@@ -33,6 +33,8 @@ STUBS = """#include <ATen/ATen.h>
 std::tuple<at::Tensor, at::Tensor> per_token_quant_int8_cpu(at::Tensor&) { MILEHPC_NO("per_token_quant_int8_cpu"); }
 at::Tensor int8_scaled_mm_cpu(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const std::optional<at::Tensor>&,
                               at::ScalarType, bool) { MILEHPC_NO("int8_scaled_mm_cpu"); }
+at::Tensor int8_scaled_mm_with_quant(at::Tensor&, at::Tensor&, at::Tensor&, const std::optional<at::Tensor>&,
+                                     at::ScalarType, bool) { MILEHPC_NO("int8_scaled_mm_with_quant"); }
 at::Tensor fused_experts_cpu(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, bool, int64_t,
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, const std::optional<std::vector<int64_t>>, const std::optional<at::Tensor>&,

@@ -1,6 +1,7 @@
-"""With sglang / torch_memory_saver / transformer-engine absent (always, here), selecting them is one clear line
-with exit code 2, never a traceback: through the plugin registry, the job-requirements check, the factories, and
-the CLI."""
+"""With sglang / torch_memory_saver / transformer-engine absent, selecting them is one clear line with exit code 2,
+never a traceback: through the plugin registry, the job-requirements check, the factories, and the CLI. CI installs
+the real sglang (its contract tests run it on the CPU): these tests hide the GPU stack, in this process and in the
+subprocesses and MPI ranks they start (tests/hide_gpu_stack/sitecustomize.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,16 @@ from milehpc.errors import MilehpcError, PluginError
 ROOT = Path(__file__).resolve().parents[1]
 
 
+HIDDEN = ("sglang", "sgl_kernel", "torch_memory_saver", "transformer_engine")
+HIDE_ENV = {"MILEHPC_TEST_HIDE": ",".join(HIDDEN),
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "hide_gpu_stack"), str(ROOT / "tests")])}
+
+
 @pytest.fixture(autouse=True)
-def _gpu_stack_absent():
-    for mod in ("sglang", "torch_memory_saver", "transformer_engine"):
-        if importlib.util.find_spec(mod) is not None:
-            pytest.skip(f"{mod} is installed here; these tests are about its absence")
+def _gpu_stack_absent(monkeypatch):
+    for mod in HIDDEN:
+        monkeypatch.setitem(sys.modules, mod, None)  # find_spec answers None, import raises ModuleNotFoundError
+    assert all(importlib.util.find_spec(mod) is None for mod in HIDDEN)
 
 
 def _one_line(err: MilehpcError, package: str) -> None:
@@ -79,7 +85,7 @@ def test_memory_saver_and_transformer_engine_entry_points_are_one_line():
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **HIDE_ENV}
     return subprocess.run([sys.executable, "-m", "milehpc", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -121,7 +127,7 @@ def test_launch_checks_the_gpu_stack_on_every_rank_one_line_from_rank_0(tmp_path
     from test_runtime_mpi import mpirun, write_run_dir
 
     run_dir = write_run_dir(tmp_path / "run", {"rollout": {"engine": "sglang"}})
-    proc, _ = mpirun(run_dir, None, np=2, timeout=120)
+    proc, _ = mpirun(run_dir, None, np=2, timeout=120, env=HIDE_ENV)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("milehpc: error")]
     assert len(lines) == 1 and "rank 0" in lines[0] and "'sglang'" in lines[0], proc.stderr[-3000:]

@@ -41,6 +41,7 @@ radixark/miles ``train.py`` (offload order). Facts are listed in :mod:`milehpc.r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -52,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from milehpc.config.sglang_options import SGLangOptions, parse_options, rl_quantization_args
 from milehpc.errors import ConfigError, RuntimeFailure
+from milehpc.faults import armed
 from milehpc.rollout import sglang_mapping as sm
 
 if TYPE_CHECKING:
@@ -76,6 +78,17 @@ def version_note() -> str | None:
     from milehpc.config.tested_versions import version_warning
 
     return version_warning("sglang", TESTED_SGLANG)
+
+
+WATCH_S = 0.5  # how often a waiting engine call checks that the engine's children are alive
+
+
+def _cancel_tasks(loop: Any) -> None:
+    """On the engine's event loop: cancel what it runs, so a call waiting for a dead scheduler returns."""
+    import asyncio
+
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
 
 
 def _alive(pid: int) -> bool:
@@ -104,6 +117,7 @@ _LIVE: weakref.WeakSet[SGLangEngine] = weakref.WeakSet()
 def sigquit_handler(signum: int = signal.SIGQUIT, frame: Any = None) -> None:
     """SIGQUIT from an SGLang child: mark this process's engines dead instead of killing the rank."""
     for engine in list(_LIVE):
+        engine.sigquits += 1
         engine._dead_reason = engine._dead_reason or "an SGLang subprocess signalled a failure (SIGQUIT)"
 
 
@@ -135,11 +149,12 @@ def model_folder(ctx: Any, vocab_size: int, pad_id: int, eos_id: int) -> tuple[s
         if not Path(job.model.path).is_dir():
             raise ConfigError(f"expected a local HF checkpoint folder, got {job.model.path!r}", field="model.path")
         return job.model.path, False
-    from milehpc.models import hf_config
+    from milehpc.models import causal_lm_class, hf_config
 
     folder = Path(ctx.run_dir) / "sglang-model"
     config = hf_config(job.model, vocab_size, pad_id=pad_id, eos_id=eos_id)
     config.torch_dtype = job.model.dtype
+    config.architectures = [causal_lm_class(job.model).__name__]  # SGLang picks its model class by this name
     if ctx.comms.rank == min(ctx.plan.engine_leaders() or [0]):
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f"config.json.{os.getpid()}"
@@ -174,6 +189,8 @@ class SGLangEngine:
         self.version = version
         self.restarts = 0
         self.tokens_generated = 0
+        self.batches = 0  # generate calls answered (the fault point counts them)
+        self.sigquits = 0  # SIGQUITs from SGLang's children reported instead of killing the rank
         self.update_groups: dict[str, dict[str, Any]] = {}  # group name -> init_weights_update_group kwargs
         self._last_names: list[str] = []
         self.unreadable: set[str] = set()  # names get_weights_by_name answered None for
@@ -255,15 +272,33 @@ class SGLangEngine:
                 self._engine = None
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Every engine call: fails with a message naming the engine instead of hanging on a dead one."""
+        """Every engine call: fails with a message naming the engine instead of hanging on a dead one. The Engine's
+        methods wait on its event loop for a scheduler reply that never comes once the scheduler has died (e.g. a
+        weight loader's assertion), so a watcher thread cancels the loop's tasks when a child dies mid-call."""
+        import asyncio
+
         if not self.health():
             raise RuntimeFailure(f"SGLang engine {self.engine_index} is down ({self._dead_reason}); restart it")
+        done = threading.Event()
+        loop = getattr(self._engine, "loop", None)
+
+        def watch() -> None:
+            while not done.wait(WATCH_S):
+                if not self.health():
+                    if loop is not None:
+                        loop.call_soon_threadsafe(_cancel_tasks, loop)
+                    return
+
+        watcher = threading.Thread(target=watch, name=f"sglang-{self.engine_index}-watch", daemon=True)
+        watcher.start()
         try:
             return fn(*args, **kwargs)
-        except Exception as err:
+        except (Exception, asyncio.CancelledError) as err:
             if not self.health():
                 raise RuntimeFailure(f"SGLang engine {self.engine_index} died during {what}: {self._dead_reason}") from err
             raise
+        finally:
+            done.set()
 
     # ---- generation -------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
@@ -290,7 +325,25 @@ class SGLangEngine:
         out = [sm.to_sample(o, r, weight_version=version, moe_shape=self.moe_shape) for o, r in zip(outputs, requests,
                                                                                                  strict=True)]
         self.tokens_generated += sum(len(s.response_ids) for s in out) - sum(len(r.prefix_ids) for r in requests)
+        if armed("scheduler", self.batches):
+            self._kill_scheduler()
+        self.batches += 1
         return out
+
+    def _kill_scheduler(self) -> None:
+        """Fault injection (``MILEHPC_FAULT=scheduler:N``): SIGKILL this engine's scheduler process(es)."""
+        import psutil
+
+        for pid in self._pids:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                if "scheduler" in " ".join(proc.cmdline()) + proc.name():
+                    proc.kill()
+                    # A loaded machine may run the victim only later: the fault is "dead after batch N", so wait
+                    # (without reaping it: SGLang's own watchdog does) until it is.
+                    deadline = time.monotonic() + 30
+                    while _alive(pid) and time.monotonic() < deadline:
+                        time.sleep(0.05)
 
     def abort(self) -> None:
         """Cut the running batch short (thread-safe); its samples return ABORTED with the tokens so far."""
@@ -333,8 +386,6 @@ class SGLangEngine:
 
     def _abandon_session(self) -> None:
         """After a failed update: close the session so the next sync can open one (errors here are secondary)."""
-        import contextlib
-
         with contextlib.suppress(Exception):
             self._end_session()
         self._session_open = False

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 COUNTERS = ("reward_sum", "reward_sq", "scored", "samples", "failed", "truncated", "filtered", "carried",
-            "resp_tokens", "gen_tokens", "groups", "time_gen", "time_reward")
+            "resp_tokens", "gen_tokens", "groups", "time_gen", "time_reward", "engine_restarts")
 
 
 def new_stats() -> dict[str, float]:
@@ -38,6 +38,7 @@ def rollout_metrics(stats: dict[str, float]) -> dict[str, float]:
         "time/reward": stats.get("time_reward", 0.0),
     }
     out["rollout/gen_tokens"] = stats.get("gen_tokens", 0.0)
+    out["rollout/engine_restarts"] = stats.get("engine_restarts", 0.0)
     if stats.get("time_gen", 0.0) > 0:
         out["perf/gen_tokens_per_s"] = stats.get("gen_tokens", 0.0) / stats["time_gen"]
     return out

@@ -107,6 +107,7 @@ class RolloutSide:
             groups = groups[:need]
         stats["groups"] = len(groups)
         stats["carried"] = len(self.state.carry)
+        stats["engine_restarts"] = float(getattr(self.engine, "restarts", 0))  # in place, since this process began
         self.state.step += 1
         self.state.data = {"cursor": self._cursor}
         return groups, stats
