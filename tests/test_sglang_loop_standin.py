@@ -1,10 +1,11 @@
-"""The real loop under real mpirun with ``rollout.engine = "sglang"``, against the CPU stand-in of ``sglang`` and the
-real ``torch_memory_saver`` with its CUDA binding faked (tests/standin_gpu_stack/, on PYTHONPATH of the job only).
+"""The colocated loop under real mpirun with ``rollout.engine = "sglang"``, against the CPU stand-in of ``sglang`` and
+the real ``torch_memory_saver`` with its CUDA binding faked (tests/standin_gpu_stack/, on PYTHONPATH of the job only).
 
-Everything else is real: ``milehpc run`` → mpirun → ``milehpc launch`` on every rank, milehpc's SGLang engine
-plugin, its update-group sync (trainer stage leader + engine leaders, gloo), the router, the health check (the
-stand-in's "scheduler" is a real child process that the test kills) and the colocated step driver. The stand-ins
-record every call they get, per rank, so the tests check the order the loop drives them in.
+Colocated SGLang needs torch_memory_saver's CUDA allocator for the trainer, which no CPU has; this is the one place
+the sglang stand-in remains. Separate SGLang rollout ranks run against the real engine (tests/test_sglang_loop_real.py),
+and the release/resume ordering against the real engine's calls (tests/test_sglang_contract.py). Everything else here
+is real: ``milehpc run`` → mpirun → ``milehpc launch`` on every rank, the colocated step driver and the memory saver's
+Python layer. The stand-ins record every call they get, per rank, so the tests check the order the loop drives them in.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from tiny_model import TINY_MODEL
 pytestmark = [pytest.mark.mpi]
 
 ROOT = Path(__file__).resolve().parents[1]
-UPDATE = ["update_weights_from_distributed", "flush_cache"]
 
 
 def run_standin(tmp_path: Path, body: str, crash: str) -> tuple[list[dict], dict[int, list[dict]]]:
@@ -41,57 +41,6 @@ def run_standin(tmp_path: Path, body: str, crash: str) -> tuple[list[dict], dict
     records = [json.loads(line) for line in (rdir / "metrics.jsonl").read_text().splitlines()]
     calls = {int(f.stem[4:]): [json.loads(line) for line in f.read_text().splitlines()] for f in log.iterdir()}
     return records, calls
-
-
-def names(calls: list[dict]) -> list[str]:
-    return [c["call"] for c in calls]
-
-
-def test_standin_sglang_separate_ranks_sync_restart_and_router(tmp_path) -> None:
-    """1 trainer + 2 SGLang engine ranks. Weights go through SGLang's update group before every generation; engine
-    1's scheduler dies after its first batch (no sync is due before the next one, update_weights_interval = 2): the
-    router gives engine 0 the whole batch 1, engine 1 restarts in place and is re-synced before it generates."""
-    records, calls = run_standin(tmp_path, """
-        name = "sglang-standin"
-        [data]
-        source = "task:reverse"
-        params = { min_len = 1, max_len = 4 }
-        [rollout]
-        engine = "sglang"
-        engines = 2
-        prompts_per_step = 4
-        n_samples = 2
-        max_new_tokens = 4
-        [trainer]
-        micro_batch_size = 8
-        [run]
-        steps = 4
-        update_weights_interval = 2
-    """, crash="2:generate:1")
-    assert records[0]["dist/mpi_world_size"] == 3 and records[0]["dist/trainer_world_size"] == 1
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert all(r["rollout/groups"] == 4 and r["rollout/samples"] == 8 for r in records)
-    assert all(0.0 <= r["rollout/reward_mean"] <= 1.0 for r in records)
-    # Versions: weights of step 2 (interval 2) reach batches 2 and 3; batches 0-1 use the initial ones.
-    assert [r["async/staleness_max"] for r in records] == [0.0, 1.0, 0.0, 1.0]
-    from milehpc.samples.dumps import read_rollouts
-
-    assert {s.weight_version for s in read_rollouts(tmp_path / "run", 3)[0]} == {2}
-    assert sorted(calls) == [1, 2]  # the trainer rank starts no engine
-
-    healthy = names(calls[1])
-    group = ["init_weights_update_group", *UPDATE]
-    # The first sync comes before the first generation (SGLang started from dummy weights).
-    assert healthy[:5] == ["Engine", *group, "generate"]
-    # Batch 1: engine 0 alone generates all 4 groups (8 samples); then it joins the rebuilt group for the re-sync.
-    assert healthy[5] == "generate" and calls[1][5]["prompts"] == 8
-    assert healthy[6:] == ["destroy_weights_update_group", *group, *UPDATE, "generate", "generate"]
-
-    dead = names(calls[2])
-    assert dead == ["Engine", *group, "generate",  # batch 0, then the scheduler dies
-                    "shutdown", "Engine", *group,  # restart + re-sync of version 0; nothing for batch 1
-                    *UPDATE, "generate", "generate"]  # version 2, batches 2 and 3
-    assert [c["instance"] for c in calls[2] if c["call"] == "Engine"] == [1, 2]
 
 
 def test_standin_sglang_colocated_miles_order_per_step(tmp_path) -> None:
