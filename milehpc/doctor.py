@@ -155,7 +155,7 @@ class Doctor:
         warning = version_warning("megatron-core", TESTED_MEGATRON_CORE)
         if warning:
             self.add("megatron-core", WARN, warning)
-        from milehpc.config.sglang_options import TESTED_GPU_PACKAGES
+        from milehpc.config.tested_versions import TESTED_GPU_PACKAGES
 
         for dist, tested in TESTED_GPU_PACKAGES.items():  # sglang, torch_memory_saver (the gpu extra's pins)
             warning = version_warning(dist, tested)

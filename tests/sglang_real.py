@@ -13,9 +13,11 @@ from typing import Any
 import pytest
 from required import unavailable
 
+from milehpc.config.tested_versions import TESTED_GPU_PACKAGES
+
 ROOT = Path(__file__).resolve().parents[1]
 VENDOR = Path(os.environ.get("MILEHPC_SGL_KERNEL_SRC") or ROOT.parent / "shared" / "vendor" / "sglang-kernel-cpu")
-TESTED = "0.5.23"
+TESTED = TESTED_GPU_PACKAGES["sglang"]  # the contract tests assert the version they imported
 
 
 def real_sglang_missing() -> str | None:

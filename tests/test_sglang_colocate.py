@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from required import require_module
 
 from milehpc.config.load import job_from_dict
 from milehpc.config.sglang_options import parse_options
@@ -18,7 +19,7 @@ from milehpc.data.tokenizer import build_tokenizer
 from milehpc.errors import RuntimeFailure
 from milehpc.rollout import sglang_mapping as sm
 from milehpc.rollout.engine import SamplingParams
-from milehpc.rollout.sglang_engine import SGLangEngine
+from milehpc.rollout.sglang_engine import SGLangEngine, sigquit_handler
 from milehpc.runtime.offload import ColocatedStep
 
 MILES_ORDER = [
@@ -57,11 +58,44 @@ class RecordingMemorySaverStandIn:
         self.log.append(f"saver.resume({tag})")
 
 
+require_module("sglang")  # milehpc builds its weight-update requests with the real sglang.srt definitions
+
+
+class _TokenizerManager:
+    """The async request methods milehpc sends SGLang's ``io_struct`` objects to; refuses an update outside a
+    begin/end session, as SGLang's weight updater does."""
+
+    def __init__(self, engine: RecordingSGLangEngineStandIn) -> None:
+        self.engine, self.session = engine, False
+
+    async def begin_weight_update(self, obj, request=None):
+        self.session = True
+        return True, "Success"
+
+    async def end_weight_update(self, obj, request=None):
+        self.session = False
+        return True, "Success"
+
+    async def update_weights_from_tensor(self, obj, request=None):
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if not self.session:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        assert len(obj.serialized_named_tensors) == 1  # tp_size 1: one payload
+        named = MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[0])
+        return self.engine.update_weights_from_tensor(named, load_format=obj.load_format,
+                                                      flush_cache=obj.flush_cache)
+
+
 class RecordingSGLangEngineStandIn:
     """Stand-in for ``sglang.Engine`` (needs a GPU): same method names and keyword arguments; keeps the weights
     it is sent and answers ``generate`` in SGLang's output shape."""
 
     def __init__(self, log: list[str], **server_args) -> None:
+        import asyncio
+
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = _TokenizerManager(self)
         self.log, self.server_args = log, server_args
         self.weights: dict[str, torch.Tensor] = {}
         self.released: set[str] = set()
@@ -182,7 +216,7 @@ def test_dead_engine_is_reported_and_restarted_in_place():
     log: list[str] = []
     _, engine, _ = _build(log)
     assert engine.health()
-    engine._on_sigquit(3, None)  # what SGLang's child does on a crash: SIGQUIT to the parent
+    sigquit_handler(3, None)  # what SGLang's child does on a crash: SIGQUIT to the parent
     assert not engine.health()
     with pytest.raises(RuntimeFailure, match="is down"):
         engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
@@ -190,7 +224,7 @@ def test_dead_engine_is_reported_and_restarted_in_place():
     assert engine.health() and engine.restarts == 1 and engine.needs_weight_sync
     assert "sglang.shutdown" in log
     engine.opts.max_restarts = 1
-    engine._on_sigquit(3, None)
+    sigquit_handler(3, None)
     with pytest.raises(RuntimeFailure, match="max_restarts"):
         engine.restart()
 

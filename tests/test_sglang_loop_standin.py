@@ -79,15 +79,17 @@ def test_standin_sglang_colocated_miles_order_per_step(tmp_path) -> None:
         tags = c.get("tags") or c.get("tag")
         return f"{c['call']}:{','.join(tags) if isinstance(tags, list) else tags}" if tags else c["call"]
 
+    # Every update is one weight-update session, as SGLang requires (fault 2 of issue 12).
+    update = ["begin_weight_update", "update_weights_from_tensor", "end_weight_update", "flush_cache"]
     start = ["region:train",  # the trainer is built in the pausable region
              "region:train", "pause:train",  # the first update (no SFT here: the region is the empty warm-up)
-             "update_weights_from_tensor", "flush_cache"]
+             *update]
     step = ["generate", "release_memory_occupation:cuda_graph,kv_cache,weights",
             "resume:train", "region:train", "pause:train",
-            "resume_memory_occupation:weights", "update_weights_from_tensor", "flush_cache",
+            "resume_memory_occupation:weights", *update,
             "resume_memory_occupation:kv_cache,cuda_graph"]
     seq0 = [tagged(c) for c in calls[0]]
     assert seq0 == ["Engine", *start, *step * 3]
     seq1 = [tagged(c) for c in calls[1]]
-    restart = ["shutdown", "Engine", "update_weights_from_tensor", "flush_cache"]
+    restart = ["shutdown", "Engine", *update]
     assert seq1 == ["Engine", *start, *step, *restart, *step * 2]

@@ -30,7 +30,14 @@ def test_doctor_warns_in_one_line_when_megatron_core_differs(monkeypatch: pytest
     assert "\n" not in doctor.findings[0].message and "0.99.0" in doctor.findings[0].message
     assert tv.TESTED_MEGATRON_CORE in doctor.findings[0].message
 
-    monkeypatch.setattr(tv, "installed_version", lambda name: tv.TESTED_MEGATRON_CORE)
+    tested = {"megatron-core": tv.TESTED_MEGATRON_CORE, **tv.TESTED_GPU_PACKAGES}
+    monkeypatch.setattr(tv, "installed_version", tested.get)
     quiet = Doctor("local")
     quiet.check_versions()
     assert quiet.findings == []
+
+    # sglang and torch_memory_saver (the gpu extra's pins) are checked the same way.
+    monkeypatch.setattr(tv, "installed_version", lambda name: "0.0.1" if name in tv.TESTED_GPU_PACKAGES else None)
+    gpu = Doctor("local")
+    gpu.check_versions()
+    assert sorted(f.check for f in gpu.findings) == ["sglang", "torch_memory_saver"]

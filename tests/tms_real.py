@@ -36,11 +36,9 @@ CUDA_MAJOR = 12  # which of the shipped builds (``*_cu12``/``*_cu13``) the fake 
 
 
 def tested_version() -> str:
-    """The pinned version: the lead's TESTED_GPU_PACKAGES when it exists, else the gpu extra's pin."""
-    try:
-        from milehpc.config.tested_versions import TESTED_GPU_PACKAGES  # type: ignore[attr-defined]
-    except ImportError:
-        return "0.0.10"
+    """The pinned version (milehpc.config.tested_versions; the gpu and dev extras pin the same)."""
+    from milehpc.config.tested_versions import TESTED_GPU_PACKAGES
+
     return str(TESTED_GPU_PACKAGES[DIST])
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from milehpc.config.schema import build, opt
+from milehpc.config.tested_versions import TESTED_GPU_PACKAGES
 from milehpc.errors import ConfigError
 
 
@@ -155,7 +156,7 @@ def check_against_server_args(args: dict[str, Any], *, extra: dict[str, Any] | N
                               field="rollout.options.speculative.algorithm") from err
 
 
-TESTED_SGLANG = "0.5.23"  # the version the contract tests ran against (pyproject's gpu extra pins it)
+TESTED_SGLANG = TESTED_GPU_PACKAGES["sglang"]  # the version the contract tests ran against (the gpu extra pins it)
 
 
 def _sglang_choices() -> dict[str, list[str]]:

@@ -10,6 +10,9 @@ TESTED_MEGATRON_CORE = "0.16.1"
 # transformer-engine (gpu extra only; its import breaks megatron.core on machines without CUDA): the TE layer spec's
 # names and mask semantics were read for this version (tests/test_megatron_single.py builds the spec for it).
 TESTED_TRANSFORMER_ENGINE = "2.20.2"
+# sglang and torch_memory_saver (gpu extra): tests/test_sglang_contract.py and tests/test_tms_contract.py ran the real
+# packages on the CPU (the engine end to end, the memory saver down to its CUDA binding).
+TESTED_GPU_PACKAGES = {"sglang": "0.5.23", "torch_memory_saver": "0.0.10"}
 
 
 def installed_version(distribution: str) -> str | None:

@@ -9,6 +9,10 @@ Used by tests/test_sglang_gpu_check_script.py and tests/test_sglang_loop_standin
   ``MILEHPC_STANDIN_CRASH="RANK:CALL:N"`` kills the first engine's child on that MPI rank after its N-th call of
   ``CALL`` (``generate`` or ``resume_memory_occupation``);
 * records every call as one JSON line in ``$MILEHPC_STANDIN_LOG/rank<R>.jsonl`` when that variable is set.
+
+It stands in for the engine process only: ``sglang.srt`` (``ServerArgs``, ``io_struct``, the serializer) is the REAL
+installed sglang's, reached through this package's ``__path__``, so milehpc's argument check and its weight-update
+requests are built against the real definitions (the tests using this stand-in need sglang installed).
 """
 
 from __future__ import annotations
@@ -20,6 +24,21 @@ import sys
 from pathlib import Path
 
 __version__ = "standin"
+
+
+def _real_sglang_dir() -> str | None:
+    """The installed sglang package folder (not this one), for ``sglang.srt``."""
+    here = Path(__file__).resolve().parent
+    for entry in sys.path:
+        candidate = Path(entry or ".") / "sglang"
+        if (candidate / "srt" / "server_args.py").is_file() and candidate.resolve() != here:
+            return str(candidate)
+    return None
+
+
+_REAL = _real_sglang_dir()
+if _REAL:
+    __path__.append(_REAL)  # noqa: F821 - a package's own __path__
 _STARTED = [0]  # engines started in this process (a crash is staged on the first one only)
 
 
@@ -58,6 +77,10 @@ class Engine:
         self.child = subprocess.Popen([sys.executable, "-c", watch], stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         record("Engine", instance=self.instance, load_format=load_format)
+        import asyncio
+
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = _TokenizerManager(self)
 
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False, return_routed_experts=False,
                  **_):
@@ -161,3 +184,36 @@ class Engine:
         self.child.kill()
         self.child.wait()
         self.ref = None
+
+
+class _TokenizerManager:
+    """The request methods milehpc sends ``io_struct`` objects to (the real ones are async): each answers like
+    SGLang's weight updater, refusing an update outside a begin/end session."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.session = engine, False
+
+    async def begin_weight_update(self, obj, request=None):
+        record("begin_weight_update", selector=obj.selector)
+        self.session = True
+        return True, "Success"
+
+    async def end_weight_update(self, obj, request=None):
+        record("end_weight_update")
+        self.session = False
+        return True, "Success"
+
+    async def update_weights_from_tensor(self, obj, request=None):
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if not self.session:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        named = MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[0])
+        return self.engine.update_weights_from_tensor(named, flush_cache=obj.flush_cache)
+
+    async def update_weights_from_distributed(self, obj, request=None):
+        if not self.session:
+            return False, ("update_weights_from_distributed must run between begin_weight_update() and "
+                           "end_weight_update()")
+        return self.engine.update_weights_from_distributed(obj.names, obj.dtypes, obj.shapes, obj.group_name,
+                                                           flush_cache=obj.flush_cache)
