@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import tms_real
-from tiny_model import TINY_MODEL
+from local_job import run_local_job
 
 pytestmark = [pytest.mark.mpi]
 
@@ -41,8 +38,11 @@ Checkpointer.save = save
 
 def test_colocated_checkpoint_between_training_and_pause(tmp_path: Path) -> None:
     tms_real.require_real()
-    job, log, rdir, hook = tmp_path / "job.toml", tmp_path / "calls", tmp_path / "run", tmp_path / "hook"
-    job.write_text(textwrap.dedent("""
+    log, rdir, hook = tmp_path / "calls", tmp_path / "run", tmp_path / "hook"
+    log.mkdir()
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(RECORDER)
+    records, _ = run_local_job(tmp_path, """
         name = "colocated-checkpoint-order"
         [data]
         source = "task:reverse"
@@ -60,22 +60,14 @@ def test_colocated_checkpoint_between_training_and_pause(tmp_path: Path) -> None
         steps = 2
         [checkpoint]
         interval_steps = 1
-    """) + TINY_MODEL)
-    log.mkdir()
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(RECORDER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_PROGRESS": "plain", "MILEHPC_STANDIN_LOG": str(log),
-           "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT / "tests" / "standin_gpu_stack"), str(ROOT)])}
-    milehpc = Path(sys.executable).with_name("milehpc")
-    proc = subprocess.run([str(milehpc), "run", str(job), "--site", "local", "--run-dir", str(rdir)],
-                          capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    """, {
+        "MILEHPC_STANDIN_LOG": str(log),
+        "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT / "tests" / "standin_gpu_stack"), str(ROOT)])})
     story = [f"{c['call']}:{c['tag']}" if c.get("tag") else c["call"]
              for c in map(json.loads, (log / "rank0.jsonl").read_text().splitlines())]
     per_step = lambda k: ["resume:train", "region:train", f"checkpoint:{k}", "pause:train"]  # noqa: E731
     trained = [s for s in story if s.split(":")[0] in ("resume", "region", "checkpoint", "pause")]
     assert trained[-8:] == per_step(1) + per_step(2)
-    records = [json.loads(line) for line in (rdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     # the step's reward is in the checkpoint written before it was reported (run.target_reward after a resume)
     import torch

@@ -10,37 +10,18 @@ step's prompts, and engine 1 restarts in place and is re-synced before it genera
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+from local_job import run_local_job
 from sglang_real import require_real_sglang
-from tiny_model import TINY_MODEL
 
 pytestmark = [pytest.mark.mpi]
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_job(tmp_path: Path, body: str, env: dict[str, str], timeout: float = 420) -> tuple[list[dict], str]:
-    require_real_sglang()
-    job, rdir = tmp_path / "job.toml", tmp_path / "run"
-    job.write_text(textwrap.dedent(body) + TINY_MODEL)
-    milehpc = Path(sys.executable).with_name("milehpc")
-    proc = subprocess.run([str(milehpc), "run", str(job), "--site", "local", "--run-dir", str(rdir)],
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_PROGRESS": "plain", **env})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    records = [json.loads(line) for line in (rdir / "metrics.jsonl").read_text().splitlines()]
-    return records, proc.stdout + proc.stderr
-
 
 def test_real_sglang_separate_ranks_router_restart_and_logprobs_agree(tmp_path: Path) -> None:
-    records, log = run_job(tmp_path, """
+    require_real_sglang()
+    records, log = run_local_job(tmp_path, """
         name = "sglang-real"
         [data]
         source = "task:reverse"
@@ -56,7 +37,7 @@ def test_real_sglang_separate_ranks_router_restart_and_logprobs_agree(tmp_path: 
         [run]
         steps = 4
         check_logprobs = true
-    """, {"MILEHPC_FAULT": "scheduler:1@2"})
+    """, {"MILEHPC_FAULT": "scheduler:1@2"}, timeout=420)
     assert records[0]["dist/mpi_world_size"] == 3 and records[0]["dist/trainer_world_size"] == 1
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(r["rollout/groups"] == 4 and r["rollout/samples"] == 8 for r in records)

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import tms_real
-from tiny_model import TINY_MODEL
+from local_job import run_local_job
 
 pytestmark = [pytest.mark.mpi]
 
@@ -28,17 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_standin(tmp_path: Path, body: str, crash: str) -> tuple[list[dict], dict[int, list[dict]]]:
     """Run the job; returns (metrics records, per-rank list of the stand-ins' recorded calls)."""
-    job, log, rdir = tmp_path / "job.toml", tmp_path / "calls", tmp_path / "run"
-    job.write_text(textwrap.dedent(body) + TINY_MODEL)
+    log = tmp_path / "calls"
     log.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_PROGRESS": "plain", "MILEHPC_STANDIN_LOG": str(log),
-           "MILEHPC_STANDIN_CRASH": crash,
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "standin_gpu_stack"), str(ROOT)])}
-    milehpc = Path(sys.executable).with_name("milehpc")
-    proc = subprocess.run([str(milehpc), "run", str(job), "--site", "local", "--run-dir", str(rdir)],
-                          capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (rdir / "metrics.jsonl").read_text().splitlines()]
+    records, _ = run_local_job(tmp_path, body, {
+        "MILEHPC_STANDIN_LOG": str(log), "MILEHPC_STANDIN_CRASH": crash,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "standin_gpu_stack"), str(ROOT)])})
     calls = {int(f.stem[4:]): [json.loads(line) for line in f.read_text().splitlines()] for f in log.iterdir()}
     return records, calls
 

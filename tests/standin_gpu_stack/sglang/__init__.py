@@ -105,6 +105,7 @@ class Engine:
         self.calls[call] = self.calls.get(call, 0) + 1
         if self.crash_at == (call, self.calls[call]):
             self.child.kill()  # the scheduler dies after answering; the next health check sees it
+            self.child.wait()  # dead before this returns, however loaded the machine
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         record("update_weights_from_tensor", names=len(named_tensors), flush_cache=flush_cache)
