@@ -35,10 +35,10 @@ class RecordingCheckpoint(LoopCheckpoint):
             self._record(trainer, "resumed", self.resumed_step)
         return resumed
 
-    def save(self, done: int, *, trainer: Any, rollout: Any, stop: bool) -> None:
+    def write(self, done: int, *, trainer: Any, rollout: Any) -> Any:  # every checkpoint write, every loop mode
         if trainer is not None:
             self._record(trainer, "saved", done)
-        super().save(done, trainer=trainer, rollout=rollout, stop=stop)
+        return super().write(done, trainer=trainer, rollout=rollout)
 
 
 def run(ctx: Any) -> Any:

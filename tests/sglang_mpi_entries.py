@@ -19,7 +19,7 @@ def sglang_sync(ctx: Any) -> None:
     import torch
 
     from milehpc.config.sglang_options import parse_options
-    from milehpc.rollout.sglang_engine import SGLangEngine
+    from milehpc.rollout.sglang_engine import SGLangEngine, sigquit_handler
     from milehpc.weights.sglang import sync_weights
 
     comms, plan = ctx.comms, ctx.plan
@@ -40,7 +40,7 @@ def sglang_sync(ctx: Any) -> None:
     data: dict[str, Any] = {"rank": comms.rank}
     for version in (1, 2):
         if version == 2 and engine is not None and engine.engine_index == 1:
-            engine._on_sigquit(3, None)  # its scheduler died ...
+            sigquit_handler(3, None)  # its scheduler died ...
             assert not engine.health()
             engine.restart()  # ... and came back with empty weights and no update group
         metrics = sync_weights(comms, version, named_tensors=by_stage(version) if comms.is_trainer else None,

@@ -58,6 +58,9 @@ class SchedulerStandInEngine:
     """``sglang.Engine`` with a single TP scheduler living in this process (tp_size = 1)."""
 
     def __init__(self, **server_args: Any) -> None:
+        from standin_gpu_stack.sglang_requests import attach
+
+        attach(self)  # milehpc's weight-update requests reach the methods below
         self.server_args = server_args
         self.groups: dict[str, Any] = {}
         self.weights: dict[str, Any] = {}

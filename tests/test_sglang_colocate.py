@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 from required import require_module
+from standin_gpu_stack.sglang_requests import attach
 
 from milehpc.config.load import job_from_dict
 from milehpc.config.sglang_options import parse_options
@@ -61,41 +62,12 @@ class RecordingMemorySaverStandIn:
 require_module("sglang")  # milehpc builds its weight-update requests with the real sglang.srt definitions
 
 
-class _TokenizerManager:
-    """The async request methods milehpc sends SGLang's ``io_struct`` objects to; refuses an update outside a
-    begin/end session, as SGLang's weight updater does."""
-
-    def __init__(self, engine: RecordingSGLangEngineStandIn) -> None:
-        self.engine, self.session = engine, False
-
-    async def begin_weight_update(self, obj, request=None):
-        self.session = True
-        return True, "Success"
-
-    async def end_weight_update(self, obj, request=None):
-        self.session = False
-        return True, "Success"
-
-    async def update_weights_from_tensor(self, obj, request=None):
-        from sglang.srt.utils import MultiprocessingSerializer
-
-        if not self.session:
-            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-        assert len(obj.serialized_named_tensors) == 1  # tp_size 1: one payload
-        named = MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[0])
-        return self.engine.update_weights_from_tensor(named, load_format=obj.load_format,
-                                                      flush_cache=obj.flush_cache)
-
-
 class RecordingSGLangEngineStandIn:
     """Stand-in for ``sglang.Engine`` (needs a GPU): same method names and keyword arguments; keeps the weights
     it is sent and answers ``generate`` in SGLang's output shape."""
 
     def __init__(self, log: list[str], **server_args) -> None:
-        import asyncio
-
-        self.loop = asyncio.new_event_loop()
-        self.tokenizer_manager = _TokenizerManager(self)
+        attach(self)  # milehpc's weight-update requests reach the methods below
         self.log, self.server_args = log, server_args
         self.weights: dict[str, torch.Tensor] = {}
         self.released: set[str] = set()

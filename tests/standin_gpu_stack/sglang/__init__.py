@@ -77,10 +77,9 @@ class Engine:
         self.child = subprocess.Popen([sys.executable, "-c", watch], stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         record("Engine", instance=self.instance, load_format=load_format)
-        import asyncio
+        from sglang_requests import attach  # beside this package, on the job's PYTHONPATH
 
-        self.loop = asyncio.new_event_loop()
-        self.tokenizer_manager = _TokenizerManager(self)
+        attach(self, record)
 
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False, return_routed_experts=False,
                  **_):
@@ -186,35 +185,3 @@ class Engine:
         self.child.wait()
         self.ref = None
 
-
-class _TokenizerManager:
-    """The request methods milehpc sends ``io_struct`` objects to (the real ones are async): each answers like
-    SGLang's weight updater, refusing an update outside a begin/end session."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine, self.session = engine, False
-
-    async def begin_weight_update(self, obj, request=None):
-        record("begin_weight_update", selector=obj.selector)
-        self.session = True
-        return True, "Success"
-
-    async def end_weight_update(self, obj, request=None):
-        record("end_weight_update")
-        self.session = False
-        return True, "Success"
-
-    async def update_weights_from_tensor(self, obj, request=None):
-        from sglang.srt.utils import MultiprocessingSerializer
-
-        if not self.session:
-            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-        named = MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[0])
-        return self.engine.update_weights_from_tensor(named, flush_cache=obj.flush_cache)
-
-    async def update_weights_from_distributed(self, obj, request=None):
-        if not self.session:
-            return False, ("update_weights_from_distributed must run between begin_weight_update() and "
-                           "end_weight_update()")
-        return self.engine.update_weights_from_distributed(obj.names, obj.dtypes, obj.shapes, obj.group_name,
-                                                           flush_cache=obj.flush_cache)
