@@ -72,9 +72,21 @@ def _weights(source: Source, hf_config: Any) -> dict[str, torch.Tensor]:
 
         return megatron_weights(source, hf_config)
     if backend != "torch":
-        raise ConfigError(f"export reads the torch and megatron trainers' checkpoints, got trainer.backend = "
+        raise ConfigError(f"expected a checkpoint of the torch or megatron trainer, got trainer.backend = "
                           f"{backend!r}", file=str(source.run_dir / "job.json"), field="trainer.backend")
     return full_model_state(source)
+
+
+def policy_weights(source: Source) -> dict[str, torch.Tensor]:
+    """The checkpoint's policy in HF names (what the trainer's weight sync sends an engine): the trainer's weights,
+    or a LoRA run's base with its adapter merged in."""
+    if source.job.trainer.lora is not None:
+        from milehpc.train.lora_export import policy_from_checkpoint
+
+        return dict(policy_from_checkpoint(source.job, source.trainer["model"]).merge_and_unload().state_dict())
+    from milehpc.data.tokenizer import build_tokenizer
+
+    return _weights(source, _hf_config(source, build_tokenizer(source.job.model.tokenizer)))
 
 
 def _model(source: Source, kind: str, hf_config: Any) -> Any:

@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any
 from milehpc.errors import ConfigError
 
 if TYPE_CHECKING:
-    import torch
 
-    from milehpc.export.source import Source
+    pass
 
 REFERENCE_ENGINES = ("reference", "reference_process")
 
@@ -37,30 +36,6 @@ class EvalReport:
 
 def eval_path(run_dir: Path, step: int) -> Path:
     return run_dir / "eval" / f"step_{step}.json"
-
-
-def policy_weights(source: Source) -> dict[str, torch.Tensor]:
-    """The checkpoint's policy in HF names (what the trainer's weight sync sends an engine): the torch trainer's
-    (FSDP2 shards joined; a LoRA run's base with its adapter merged) or Megatron's (``milehpc export``'s loader)."""
-    from milehpc.export.source import full_model_state
-
-    job = source.job
-    if job.trainer.backend == "megatron":
-        from milehpc.data.tokenizer import build_tokenizer
-        from milehpc.export.megatron import megatron_weights
-        from milehpc.train.megatron.model import hf_config_for
-
-        tok = build_tokenizer(job.model.tokenizer)
-        return megatron_weights(source, hf_config_for(job.model, tok.vocab_size, pad_id=tok.pad_id, eos_id=tok.eos_id))
-    if job.trainer.backend != "torch":
-        raise ConfigError(f"milehpc eval reads the torch and megatron trainers' checkpoints, got trainer.backend = "
-                          f"{job.trainer.backend!r}", file=str(source.run_dir / "job.json"), field="trainer.backend")
-    if job.trainer.lora is not None:
-        from milehpc.train.lora_export import policy_from_checkpoint
-
-        merged = policy_from_checkpoint(job, source.trainer["model"]).merge_and_unload()
-        return dict(merged.state_dict())
-    return full_model_state(source)
 
 
 def evaluate_checkpoint(run_dir: str | Path, data: str | Path, *, step: int | None = None,
@@ -91,6 +66,8 @@ def evaluate_checkpoint(run_dir: str | Path, data: str | Path, *, step: int | No
         notes.append(f"the job's engine is {job.rollout.engine!r}: evaluating with the reference engine (same "
                      "weights, sampling and seeds) in this process")
     engine = build_engine(job)
+    from milehpc.export.run import policy_weights
+
     engine.update_weights(policy_weights(source).items(), source.weight_version)
     evaluator = Evaluator(job, engine.tokenizer, data=str(data))
     results = evaluator.run(engine)
