@@ -152,10 +152,11 @@ def test_engine_killed_during_a_real_run_is_recovered_and_the_run_is_unchanged(t
     assert not different, different[:5]
 
 
-@pytest.mark.parametrize("next_call", ["update_weights", "generate"])
+@pytest.mark.parametrize("next_call", ["update_weights", "generate", "just_after_the_reply"])
 def test_engine_killed_between_generations_keeps_its_sampling_state(job: JobSpec, next_call: str) -> None:
     """A death noticed at the next call of any kind (not mid-generation) must not reset the engine's RNG: the
-    following generation gives the samples of an engine that never died."""
+    following generation gives the samples of an engine that never died. ``just_after_the_reply``: the engine dies
+    the moment it has answered a generation, before the supervisor could ask anything else."""
     prompts = [[3, 4, 5], [6, 7, 5]]
     clean_engine = reference_in_child(to_dict(job), rank=0)
     weights = _trained_weights(clean_engine)
@@ -169,9 +170,22 @@ def test_engine_killed_between_generations_keeps_its_sampling_state(job: JobSpec
     sup = EngineSupervisor(engine)
     try:
         sup.update_weights(weights, version=7)
-        sup.generate(prompts, SAMPLING)
         first = engine.pid
-        os.kill(engine.pid, signal.SIGKILL)  # idle: noticed at the next call
+        if next_call == "just_after_the_reply":
+            answer = engine.call
+
+            def answer_then_die(method: str, *args: object) -> object:
+                out = answer(method, *args)
+                if method.startswith("generate"):
+                    del engine.call  # once
+                    os.kill(engine.pid, signal.SIGKILL)
+                    engine.proc.wait()
+                return out
+
+            engine.call = answer_then_die
+        sup.generate(prompts, SAMPLING)
+        if next_call != "just_after_the_reply":
+            os.kill(engine.pid, signal.SIGKILL)  # idle: noticed at the next call
         if next_call == "update_weights":
             sup.update_weights(weights, version=8)
         got = sup.generate(prompts, SAMPLING)

@@ -79,7 +79,12 @@ def _worker(read_fd: int, write_fd: int, factory: str) -> None:
             tx.send_bytes(pickle.dumps(("ok", None)))
             return
         try:
-            result = getattr(engine, method)(*args)
+            if method == "generate_with_state":
+                # One answer for both: an engine dying right after a generation cannot leave the parent with
+                # the samples but without the RNG state that follows them.
+                result = (engine.generate(*args), engine.state_dict() if hasattr(engine, "state_dict") else None)
+            else:
+                result = getattr(engine, method)(*args)
             if method == "named_parameters":
                 result = [(k, v.detach().cpu().clone()) for k, v in result]
             tx.send_bytes(pickle.dumps(("ok", result), protocol=5))
@@ -150,21 +155,27 @@ class ProcessEngine:
         return f"engine process {self.pid} died during {what} ({how})"
 
     def call(self, method: str, *args: Any) -> Any:
+        what = method.removesuffix("_with_state")  # messages name the Engine call the user knows
         if self.proc is None or self.proc.poll() is not None:
-            raise EngineDied(self._death(method) if self.proc else "engine process not started")
+            raise EngineDied(self._death(what) if self.proc else "engine process not started")
         try:
             self._tx.send_bytes(pickle.dumps((method, args), protocol=5))
         except (BrokenPipeError, OSError):
             self.proc.wait(timeout=30)
-            raise EngineDied(self._death(method)) from None
+            raise EngineDied(self._death(what)) from None
         if self.after_send is not None:
-            self.after_send(method)
-        return self._reply(method, self.call_timeout)
+            self.after_send(what)
+        return self._reply(what, self.call_timeout)
 
     # ---- Engine protocol -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  samples: list[Sample] | None = None) -> list[Sample]:
         return self.call("generate", prompts, sampling, samples)
+
+    def generate_with_state(self, prompts: list[list[int]], sampling: SamplingParams,
+                            samples: list[Sample] | None = None) -> tuple[list[Sample], dict[str, Any] | None]:
+        """``generate``, and the engine's ``state_dict`` right after it (None for an engine without one)."""
+        return self.call("generate_with_state", prompts, sampling, samples)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self.call("update_weights", [(k, v.detach().cpu()) for k, v in named_tensors], version)
@@ -287,10 +298,10 @@ class EngineSupervisor:
             self.ledger.submitted += len(chunk)
             try:
                 if samples is not None:
-                    out = self.engine.generate([], sampling, [items[position[p]] for p in chunk])
+                    out, after = self.engine.generate_with_state([], sampling, [items[position[p]] for p in chunk])
                     per_prompt = 1
                 else:
-                    out = self.engine.generate([items[position[p]] for p in chunk], sampling)
+                    out, after = self.engine.generate_with_state([items[position[p]] for p in chunk], sampling)
                     per_prompt = sampling.n
             except EngineDied as err:
                 deaths += 1
@@ -298,6 +309,8 @@ class EngineSupervisor:
                 queue.extendleft(reversed(chunk))  # in-flight prompts go back first, in their order
                 self._recover(err, deaths, rng)
                 continue
+            if after is not None:
+                self._last_state = after
             if len(out) != per_prompt * len(chunk):
                 raise RuntimeFailure(f"engine returned {len(out)} samples for {len(chunk)} prompt(s) x {per_prompt}")
             for j, pid in enumerate(chunk):
@@ -312,7 +325,6 @@ class EngineSupervisor:
                 self.ledger.completed.add(pid)
         out = [s for pid in ids for s in results[pid]]
         self.tokens_generated += sum(len(s.response_ids) for s in out) - already
-        self._engine_state()  # remember the state after this generation (see _last_state)
         if samples is not None:
             # Engines continue partial rollouts in place (the caller keeps its Sample objects): copy back.
             for original, new in zip(items, out, strict=True):
