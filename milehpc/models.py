@@ -1,11 +1,13 @@
-"""HF-architecture models for the reference engine and trainer: a tiny Qwen2/Llama built from the job's
-``[model]`` table (random init, seeded) or a checkpoint loaded from a local folder. No downloads."""
+"""HF-architecture models for the reference engine and trainer: a tiny model of a supported family
+(milehpc.config.families) built from the job's ``[model]`` table (random init, seeded) or a checkpoint loaded
+from a local folder. No downloads."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from milehpc.config.families import FAMILIES, check_family, folder_model_type, random_model_type
 from milehpc.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -21,29 +23,21 @@ def torch_dtype(name: str) -> torch.dtype:
             "float16": torch.float16}[name]
 
 
-# (config class, causal LM class, token-classification class) per family. Importing the model modules directly
-# skips transformers' lazy top-level namespace, whose first touch scans every model it ships (seconds).
-_FAMILIES = {
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2Config", "Qwen2ForCausalLM",
-              "Qwen2ForTokenClassification"),
-    "llama": ("transformers.models.llama.modeling_llama", "LlamaConfig", "LlamaForCausalLM",
-              "LlamaForTokenClassification"),
-    "qwen2_moe": ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  "Qwen2MoeForTokenClassification"),
-}
-
-
 def _family(name: str) -> tuple[Any, Any, Any]:
+    """(config class, causal LM class, token-classification class) of a family (milehpc.config.families).
+    Importing the model module directly skips transformers' lazy top-level namespace, whose first touch scans
+    every model it ships (seconds)."""
     import importlib
 
-    module, *names = _FAMILIES[name]
-    mod = importlib.import_module(module)
-    config_mod = importlib.import_module(module.replace("modeling_", "configuration_"))
-    return getattr(config_mod, names[0]), getattr(mod, names[1]), getattr(mod, names[2])
+    fam = FAMILIES[name]
+    mod = importlib.import_module(fam.module)
+    config_mod = importlib.import_module(fam.module.replace("modeling_", "configuration_"))
+    return getattr(config_mod, fam.config_class), getattr(mod, fam.causal_lm), getattr(mod, fam.token_classification)
 
 
 def hf_config(spec: ModelSpec, vocab_size: int, *, pad_id: int = 0, eos_id: int = 2) -> Any:
-    """The HF config for ``spec`` (Qwen2 or Llama shapes; MoE via Qwen2-MoE when ``num_experts > 0``)."""
+    """The HF config for ``spec``: its ``arch`` family, or that family's MoE sibling when ``num_experts > 0``
+    (Qwen2-MoE with a shared expert, Qwen3-MoE)."""
 
     common = dict(
         vocab_size=spec.vocab_size or vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
@@ -55,17 +49,23 @@ def hf_config(spec: ModelSpec, vocab_size: int, *, pad_id: int = 0, eos_id: int 
     if (spec.vocab_size or vocab_size) < vocab_size:
         raise ConfigError(f"expected vocab_size >= the tokenizer's {vocab_size}, got {spec.vocab_size}",
                           field="model.vocab_size")
-    if spec.num_experts > 0:  # a Qwen2-MoE: the job rules refuse another arch on the login node
-        return _family("qwen2_moe")[0](**common, num_experts=spec.num_experts, num_experts_per_tok=spec.moe_top_k,
-                                       moe_intermediate_size=spec.intermediate_size,
-                                       shared_expert_intermediate_size=spec.intermediate_size)
-    return _family(spec.arch)[0](**common)
+    model_type = random_model_type(spec.arch, spec.num_experts)
+    if model_type == "qwen2_moe":
+        common.update(shared_expert_intermediate_size=spec.intermediate_size)
+    if spec.num_experts > 0:
+        common.update(num_experts=spec.num_experts, num_experts_per_tok=spec.moe_top_k,
+                      moe_intermediate_size=spec.intermediate_size)
+    if model_type in ("qwen3", "qwen3_moe"):
+        common.update(head_dim=spec.hidden_size // spec.num_heads)  # Qwen3 defaults to 128, not hidden / heads
+    if model_type == "mistral":
+        common.update(sliding_window=None)  # full attention (the Megatron trainer has no sliding window)
+    return _family(model_type)[0](**common)
 
 
 def causal_lm_class(spec: ModelSpec) -> type:
     """The transformers causal-LM class of ``spec``'s family (its name is what an HF config's ``architectures``
     lists)."""
-    return _family("qwen2_moe" if spec.num_experts > 0 else spec.arch)[1]
+    return _family(random_model_type(spec.arch, spec.num_experts))[1]
 
 
 def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int = 0, eos_id: int = 2,
@@ -83,6 +83,8 @@ def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int 
         path = Path(spec.path)
         if not path.is_dir():
             raise ConfigError(f"expected a local HF checkpoint folder, got {spec.path!r}", field="model.path")
+        # The ranks check the family too: the login node may not have seen the folder.
+        check_family(folder_model_type(path), field="model.path")
         if value_head:
             # The checkpoint has no value head: its fresh init is seeded, so every trainer rank (and both
             # trainers) start the critic from the same head.
@@ -96,7 +98,7 @@ def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int 
             model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         return model
     config = hf_config(spec, vocab_size, pad_id=pad_id, eos_id=eos_id)
-    causal_lm, token_cls = causal_lm_class(spec), _family("qwen2_moe" if spec.num_experts > 0 else spec.arch)[2]
+    _, causal_lm, token_cls = _family(random_model_type(spec.arch, spec.num_experts))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if value_head:

@@ -257,11 +257,14 @@ CRITIC_LR = 1e-2  # as large as the policy's: the second step's critic differs v
 
 
 def _parity_job(algorithm: dict[str, Any], *, colocate: bool = False, options: dict[str, Any] | None = None,
-                **trainer: Any) -> Any:
+                model_path: str | None = None, **trainer: Any) -> Any:
     """No clipping and no weight decay (Megatron exempts norms and biases from decay; the torch AdamW does not)."""
     from milehpc.config.load import job_from_dict
 
-    model = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 48}
+    model: dict[str, Any] = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                             "intermediate_size": 48}
+    if model_path:
+        model["path"] = model_path
     ranks = trainer.get("tp", 1) * trainer.get("pp", 1) * trainer.get("dp", 1)
     rollout = {"temperature": 0.8, "engines": ranks if colocate else 1}  # colocated: an engine on every rank
     return job_from_dict({"name": "parity", "model": model, "rollout": rollout, "algorithm": algorithm,
@@ -292,6 +295,20 @@ def _teacher_folder(comm: Any, work: str) -> str:
     return folder
 
 
+def _family_folder(comm: Any, work: str) -> str:
+    """A Qwen3 (per-head q/k RMSNorm, replicated over TP) with Llama 3.x RoPE scaling (tests/family_models.py):
+    both families' twists in the one TP=2 x PP=2 case."""
+    from pathlib import Path
+
+    from family_models import LLAMA3_ROPE, save_tiny
+
+    folder = f"{work}/hf-qwen3-llama3"
+    if comm.Get_rank() == 0 and not Path(folder).is_dir():
+        save_tiny("qwen3", folder, V, seed=23, rope_parameters=LLAMA3_ROPE)
+    comm.Barrier()
+    return folder
+
+
 def _options(name: str, teacher: str) -> dict[str, Any]:
     return {"critic_lr": CRITIC_LR, **({"teacher_path": teacher} if name == "distill" else {})}
 
@@ -311,22 +328,23 @@ def _second_step(trainer: Any, samples: list[Any], grads: Any, critic_grads: Any
 _TORCH: dict[str, dict[str, Any]] = {}  # the torch trainer's figures per algorithm (every launch phase reuses them)
 
 
-def _torch_reference(comm: Any, name: str, teacher: str) -> dict[str, Any]:
+def _torch_reference(comm: Any, name: str, teacher: str, model_path: str | None = None) -> dict[str, Any]:
     """The torch trainer as on a single rank (no DDP over the MPI world): the reference numbers, computed on rank 0
     (the others would only compete for the CPUs) and broadcast."""
-    if name not in _TORCH:
-        _TORCH[name] = comm.bcast(_torch_run(name, teacher) if comm.Get_rank() == 0 else None, root=0)
-    return _TORCH[name]
+    key = f"{name}@{model_path}" if model_path else name
+    if key not in _TORCH:
+        _TORCH[key] = comm.bcast(_torch_run(name, teacher, model_path) if comm.Get_rank() == 0 else None, root=0)
+    return _TORCH[key]
 
 
-def _torch_run(name: str, teacher: str) -> dict[str, Any]:
+def _torch_run(name: str, teacher: str, model_path: str | None = None) -> dict[str, Any]:
     import types
     from unittest import mock
 
     from milehpc.train import torch_trainer
 
     with mock.patch.object(torch_trainer, "_dist", return_value=(0, 1)):
-        tt = torch_trainer.TorchTrainer(_parity_job(PARITY_ALGORITHMS[name]), types.SimpleNamespace(
+        tt = torch_trainer.TorchTrainer(_parity_job(PARITY_ALGORITHMS[name], model_path=model_path), types.SimpleNamespace(
             pad_id=0, eos_id=2, vocab_size=V), options=_options(name, teacher))
         seen: dict[str, dict[str, Any]] = {"policy": {}, "critic": {}}
 
@@ -354,13 +372,14 @@ def _stage_exports(comm: Any, export: Any) -> dict[str, Any]:
 
 
 def _parity_layout(comm: Any, name: str, want: dict[str, Any], samples: list[Any], teacher: str, *, tp: int,
-                   pp: int, colocate: bool) -> tuple[Any, dict[str, Any]]:
+                   pp: int, colocate: bool, model_path: str | None = None) -> tuple[Any, dict[str, Any]]:
     """The Megatron trainer at one layout through the same two steps; its figures against the torch trainer's."""
     from milehpc.train.megatron.trainer import MegatronTrainer
 
     dp = comm.Get_size() // (tp * pp)
     tr = MegatronTrainer(_parity_job(PARITY_ALGORITHMS[name], tp=tp, pp=pp, dp=dp, colocate=colocate,
-                                     options=_options(name, teacher)), pad_id=0, vocab_size=V)
+                                     options=_options(name, teacher), model_path=model_path), pad_id=0,
+                         vocab_size=V)
     frozen = tr.ref if tr.ref is not None else tr.teacher
     moves: list[str] = []
     if frozen is not None:
@@ -425,6 +444,13 @@ def check_parity_tp2pp2(comm: Any, work: str) -> dict[str, Any]:
         want = _torch_reference(comm, name, teacher)
         _, out[name] = _parity_layout(comm, name, want, samples, teacher, tp=2, pp=2, colocate=False)
         out[name].update(_scales(want))
+    # Model families (tests/test_model_families.py): Qwen3's q/k norms and Llama 3.x RoPE scaling, split 2 x 2.
+    family = _family_folder(comm, work)
+    want = _torch_reference(comm, "kl_loss", teacher, family)
+    tr, out["family"] = _parity_layout(comm, "kl_loss", want, samples, teacher, tp=2, pp=2, colocate=False,
+                                       model_path=family)
+    out["family"].update(_scales(want), model_type=tr.arch.model_type, qk_norm=tr.config.qk_layernorm,
+                         rope_llama3=tr.arch.rope_llama3 is not None)
     return out
 
 

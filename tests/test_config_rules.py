@@ -19,6 +19,7 @@ from milehpc.errors import ConfigError
 CORPUS = Path(__file__).parent / "corpus"
 VALID_JOB = CORPUS / "valid-job.toml"
 FILE = "job.toml"
+UNSUPPORTED_FAMILY = CORPUS / "models" / "gpt-neox"  # a config.json whose model_type milehpc does not train
 
 MODEL = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
 
@@ -60,9 +61,12 @@ CASES: dict[str, tuple[dict, dict, str]] = {
     "partial_rollouts_need_the_builtin_generation": (
         {"rollout": {"generator": "toy_retry", "partial_rollout": True}},
         {"rollout": {"generator": "toy_retry", "partial_rollout": False}}, "rollout.partial_rollout"),
-    "moe_is_built_as_qwen2": (
+    "model_family_is_supported": (
+        {"model": {"path": str(UNSUPPORTED_FAMILY)}},
+        {"model": {"path": str(CORPUS / "models" / "qwen3")}}, "model.path"),
+    "random_moe_has_an_moe_family": (
         {"model": {"arch": "llama", "num_experts": 4}},
-        {"model": {"arch": "llama", "num_experts": 4, "path": "/ckpt/mixtral"}}, "model.arch"),
+        {"model": {"arch": "qwen3", "num_experts": 4}}, "model.arch"),
     "torch_trainer_has_no_fp8": (
         {"trainer": {"precision": "fp8"}, "model": {"dtype": "bfloat16"}},
         {"trainer": {"precision": "fp8", "backend": "megatron"}, "model": {"dtype": "bfloat16"}},

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from milehpc.config.job import ModelSpec
+from milehpc.errors import ConfigError
 from milehpc.models import hf_config
 from milehpc.train.megatron import convert
 from milehpc.train.megatron.model import arch_of, padded_vocab_size
@@ -140,5 +141,5 @@ def test_unknown_names_and_unsupported_configs_fail_clearly() -> None:
     arch = arch_of(_hf("qwen2").config)
     with pytest.raises(KeyError, match="unknown parameter"):
         list(convert.to_hf([("decoder.layers.0.mystery.weight", torch.zeros(1))], arch))
-    with pytest.raises(ValueError, match="model_type"):
+    with pytest.raises(ConfigError, match="model_type in: .*qwen3.*; got 'gpt2'"):
         arch_of(transformers.GPT2Config())

@@ -155,7 +155,10 @@ def test_megatron_matches_the_torch_trainer_at_tp2_pp2(checks: dict) -> None:
     gae = checks["parity4"]["gae"]
     assert gae["value_loss_diff"] < 1e-6 and gae["critic_grad_norm_rel"] < 1e-5, gae
     assert gae["critic_grads_maxdiff"] < 1e-5 * gae["critic_grads_max"], gae
-    assert sorted(checks["parity4"]) == ["distill", "gae", "kl_loss"]
+    assert sorted(checks["parity4"]) == ["distill", "family", "gae", "kl_loss"]
+    # A Qwen3 folder with Llama 3.x RoPE scaling (tests/model_family_checks.py has every family at TP=1).
+    family = checks["parity4"]["family"]
+    assert (family["model_type"], family["qk_norm"], family["rope_llama3"]) == ("qwen3", True, True)
 
 
 def test_megatron_critic_resumes_bit_exactly_and_reshards(checks: dict) -> None:

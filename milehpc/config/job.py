@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from milehpc.config.families import RANDOM_ARCHS
 from milehpc.config.schema import opt
 from milehpc.errors import ConfigError
 from milehpc.plugin_types import schema_defaults
@@ -16,7 +17,8 @@ ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 
 @dataclass
 class ModelSpec:
-    arch: Literal["qwen2", "llama"] = opt("qwen2", help="HF architecture family (Llama/Qwen2 shapes)")
+    arch: Literal[RANDOM_ARCHS] = opt("qwen2", help="family of a random model built from this table (a local "
+                                      "folder's config.json names its own: model_type)")
     path: str | None = opt(None, help="local HF checkpoint folder; unset = build a random model from this table")
     tokenizer: str = opt("toy", help="'toy' (the task's character vocabulary) or a local tokenizer folder")
     hidden_size: int = opt(128, min=8)

@@ -201,13 +201,27 @@ def engine_options_fit_the_engine(job: JobSpec, file: str | None) -> None:
 
 # ---- the model -------------------------------------------------------------------------------------------------
 
-def moe_is_built_as_qwen2(job: JobSpec, file: str | None) -> None:
-    """model.num_experts × model.arch × model.path: a mixture of experts built from the [model] table is a
-    Qwen2-MoE (a checkpoint's own config.json names its family)."""
+def model_family_is_supported(job: JobSpec, file: str | None) -> None:
+    """model.path × model.arch × trainer.backend: a checkpoint folder's config.json names its family
+    (``model_type``; ``arch`` is then unused), which must be one milehpc trains and serves, and one the Megatron
+    trainer can express with trainer.backend = 'megatron' (milehpc.config.families). A folder this node cannot read
+    is checked by the ranks when they load it."""
+    from milehpc.config.families import check_family, check_megatron_family, folder_model_type
+
+    if job.model.path and (model_type := folder_model_type(job.model.path)) is not None:
+        check_family(model_type, file=file, field="model.path")
+        if job.trainer.backend == "megatron":
+            check_megatron_family(model_type, file=file)
+
+
+def random_moe_has_an_moe_family(job: JobSpec, file: str | None) -> None:
+    """model.num_experts × model.arch × model.path: a mixture of experts built from the [model] table is the MoE
+    sibling of ``arch`` (Qwen2-MoE, Qwen3-MoE); a checkpoint's own config.json names its family."""
+    from milehpc.config.families import random_model_type
+
     m = job.model
-    if m.num_experts > 0 and not m.path and m.arch != "qwen2":
-        raise ConfigError(f"expected arch = 'qwen2' for a mixture of experts (model.num_experts = {m.num_experts}), "
-                          f"got {m.arch!r}", file=file, field="model.arch")
+    if m.num_experts > 0 and not m.path:
+        random_model_type(m.arch, m.num_experts, file=file)
 
 
 # ---- precision -------------------------------------------------------------------------------------------------
@@ -339,7 +353,7 @@ RULES: tuple[Rule, ...] = (
     task_params_fit_the_task, reward_params_fit_the_reward, algorithm_params_fit_the_plugins,
     overlong_buffer_fits_the_response, colocated_runs_sync, stale_samples_need_a_correction, partial_rollouts_keep_their_stale_samples,
     partial_rollouts_need_the_builtin_generation,
-    moe_is_built_as_qwen2, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
+    model_family_is_supported, random_moe_has_an_moe_family, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
     megatron_kl_reference_is_the_initial_policy, megatron_moe_needs_tp_1,
     megatron_ep_divides_the_experts, fsdp_trains_the_policy_alone, distillation_needs_a_teacher,
     sglang_stop_strings_need_a_tokenizer, routing_replay_needs_moe, lora_trains_with_the_torch_trainer,

@@ -1,4 +1,5 @@
-"""Megatron-core <-> HF (transformers) names and layouts for Llama / Qwen2 / Mixtral-shaped models.
+"""Megatron-core <-> HF (transformers) names and layouts for the families of milehpc.config.families (Llama /
+Mistral / Qwen2 / Qwen3 dense, Qwen2-MoE / Qwen3-MoE / Mixtral).
 
 Megatron layout (the local and the transformer-engine layer specs differ only in the two pre-norms, see below):
 
@@ -8,7 +9,7 @@ Megatron layout (the local and the transformer-engine layer specs differ only in
 * ``mlp.linear_fc1``: SwiGLU's gate and up fused as ``cat([gate, up])`` **per TP rank**: rank r holds
   ``[gate_r; up_r]``, so gathering takes the halves of every shard apart first.
 * column-parallel (dim 0): word embeddings, output layer, qkv, fc1; row-parallel (dim 1): linear_proj, fc2;
-  norms and the MoE router are replicated.
+  norms (Qwen3's per-head ``q_layernorm``/``k_layernorm`` too) and the MoE router are replicated.
 * the transformer-engine spec fuses the pre-attention and pre-MLP RMSNorms into the following linear layer
   (``TELayerNormColumnParallelLinear``): ``self_attention.linear_qkv.layer_norm_weight`` and
   ``mlp.linear_fc1.layer_norm_weight`` instead of the local spec's ``input_layernorm.weight`` and
@@ -47,6 +48,9 @@ _SIMPLE = {
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+    # Qwen3's per-head q/k RMSNorm ([head_dim]: every TP rank holds all of it, like the other norms)
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 # The transformer-engine spec's fused norms (TE LayerNormLinear's ``layer_norm_weight``) -> the local spec's name.
 # megatron-core maps the same pairs in the local spec's ``sharded_state_dict_keys_map`` (checkpoints of one spec

@@ -1,10 +1,12 @@
-"""Megatron-core GPTModel for Llama/Qwen2-shaped models (dense, and MoE as Mixtral-style experts).
+"""Megatron-core GPTModel for the families of milehpc.config.families (Qwen2/2.5, Qwen3, Llama 2/3.x, Mistral;
+MoE: Qwen2-MoE, Qwen3-MoE, Mixtral).
 
 The HF config is the single source of truth for the architecture (what the rollout engine builds from the same
 job spec or loads from the same checkpoint folder); :func:`transformer_config` maps it onto Megatron's
-TransformerConfig: RMSNorm, RoPE (theta from the HF config), SwiGLU (``gated_linear_unit``), GQA
-(``num_query_groups``), Qwen2's QKV bias, tied embeddings, and for MoE a softmax top-k router that renormalises over
-the chosen experts (Mixtral's rule) with routing replay available.
+TransformerConfig: RMSNorm, RoPE (theta from the HF config; Llama 3.x's "llama3" frequency scaling), SwiGLU
+(``gated_linear_unit``), GQA (``num_query_groups``), Qwen2's QKV bias, Qwen3's per-head q/k RMSNorm
+(``qk_layernorm``), tied embeddings, and for MoE a softmax top-k router that renormalises over the chosen experts
+(Mixtral's rule) or not (Qwen's default) with routing replay available.
 
 Layer spec: the local (pure megatron-core) spec on CPU; the transformer-engine spec on GPUs when the job asks
 for it (``trainer.precision`` bf16/fp8 or ``trainer.options.transformer_engine = true``).
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from milehpc.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +29,7 @@ if TYPE_CHECKING:
 class Arch:
     """What the converters and the model builder need to know about an HF config."""
 
-    model_type: str  # qwen2 | llama | qwen2_moe | mixtral
+    model_type: str  # a key of milehpc.config.families.FAMILIES
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -43,29 +47,51 @@ class Arch:
     moe_intermediate_size: int = 0
     shared_expert_size: int = 0  # Qwen2-MoE: a sigmoid-gated shared expert next to the routed ones
     moe_norm_topk: bool = True  # renormalise the top-k probabilities (Mixtral) or not (Qwen2-MoE default)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k (weights [head_dim], replicated over TP)
+    # Llama 3.x "llama3" RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_llama3: tuple[float, float, float, int] | None = None
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
 
+def _rope(hf_config: Any) -> tuple[float, tuple[float, float, float, int] | None]:
+    """(theta, llama3 scaling or None) of an HF config; any other rope_type is refused in one line."""
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    theta = float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "llama3":
+        return theta, (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                       int(rope["original_max_position_embeddings"]))
+    raise ConfigError(f"megatron trainer: expected rope_type 'default' or 'llama3' in config.json, got {kind!r}",
+                      field="model.path")
+
+
 def arch_of(hf_config: Any) -> Arch:
-    """Read an HF (transformers) config of a Qwen2 / Llama / Mixtral model."""
+    """Read the HF (transformers) config of a supported family (milehpc.config.families)."""
+    from milehpc.config.families import check_family, check_megatron_family
+
     mt = hf_config.model_type
-    if mt not in ("qwen2", "llama", "qwen2_moe", "mixtral"):
-        raise ValueError(f"megatron trainer: expected a qwen2, llama, qwen2_moe or mixtral HF config, "
-                         f"got model_type={mt!r}")
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"megatron trainer: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+    fam = check_family(mt)
+    check_megatron_family(mt)
+    theta, llama3 = _rope(hf_config)
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and getattr(hf_config, "use_sliding_window", True) and \
+            window < hf_config.max_position_embeddings:
+        raise ConfigError(f"megatron trainer: expected no sliding window shorter than max_position_embeddings "
+                          f"({hf_config.max_position_embeddings}) in a {mt} config.json, got sliding_window = "
+                          f"{window}", field="model.path")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    experts = {"mixtral": getattr(hf_config, "num_local_experts", 0),
-               "qwen2_moe": getattr(hf_config, "num_experts", 0)}.get(mt, 0)
-    if mt == "qwen2_moe" and (hf_config.mlp_only_layers or hf_config.decoder_sparse_step != 1):
-        raise ValueError("megatron trainer: qwen2_moe with dense layers (mlp_only_layers/decoder_sparse_step) "
-                         "is not supported")
+    experts = int(getattr(hf_config, "num_local_experts" if mt == "mixtral" else "num_experts", 0) or 0) \
+        if fam.moe else 0
+    if mt in ("qwen2_moe", "qwen3_moe") and (hf_config.mlp_only_layers or hf_config.decoder_sparse_step != 1):
+        raise ConfigError(f"megatron trainer: expected every layer an MoE layer in a {mt} config.json, got "
+                          f"mlp_only_layers = {hf_config.mlp_only_layers}, decoder_sparse_step = "
+                          f"{hf_config.decoder_sparse_step}", field="model.path")
     return Arch(
         model_type=mt,
         hidden_size=hf_config.hidden_size,
@@ -76,7 +102,7 @@ def arch_of(hf_config: Any) -> Arch:
         intermediate_size=hf_config.intermediate_size,
         vocab_size=hf_config.vocab_size,
         rms_norm_eps=hf_config.rms_norm_eps,
-        rope_theta=float(theta),
+        rope_theta=theta,
         max_position_embeddings=hf_config.max_position_embeddings,
         qkv_bias=mt in ("qwen2", "qwen2_moe") or bool(getattr(hf_config, "attention_bias", False)),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
@@ -85,7 +111,9 @@ def arch_of(hf_config: Any) -> Arch:
         moe_intermediate_size=getattr(hf_config, "moe_intermediate_size", hf_config.intermediate_size) if experts
         else 0,
         shared_expert_size=(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if mt == "qwen2_moe" else 0,
-        moe_norm_topk=bool(getattr(hf_config, "norm_topk_prob", True)) if mt == "qwen2_moe" else True,
+        moe_norm_topk=bool(getattr(hf_config, "norm_topk_prob", True)) if mt != "mixtral" else True,
+        qk_norm=fam.qk_norm,
+        rope_llama3=llama3,
     )
 
 
@@ -134,6 +162,7 @@ def transformer_config(
         bias_activation_fusion=False,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         masked_softmax_fusion=False,
@@ -190,10 +219,12 @@ def layer_spec(arch: Arch, *, te: bool) -> Any:
     if te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts or None)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts or None,
+                                                          qk_layernorm=arch.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(num_experts=arch.num_experts or None, normalization="RMSNorm")
+    return get_gpt_layer_local_spec(num_experts=arch.num_experts or None, normalization="RMSNorm",
+                                    qk_layernorm=arch.qk_norm)
 
 
 def build_gpt(arch: Arch, config: Any, *, tp: int, te: bool = False, pre_process: bool | None = None,
@@ -222,7 +253,7 @@ def build_gpt(arch: Arch, config: Any, *, tp: int, te: bool = False, pre_process
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         RouterReplay.clear_global_router_replay_instances()  # the registry is per process; one model per trainer
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(arch, te=te),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
@@ -235,6 +266,14 @@ def build_gpt(arch: Arch, config: Any, *, tp: int, te: bool = False, pre_process
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
     )
+    if arch.rope_llama3 is not None:
+        # GPTModel's own rope_scaling passes only the factor (low/high 1/4, original context 8192 fixed); the same
+        # megatron-core formula (HF's _compute_llama3_parameters) with all four of the config's values.
+        factor, low, high, original = arch.rope_llama3
+        rope = model.rotary_pos_emb
+        rope.inv_freq = rope._apply_scaling(rope.inv_freq, factor=factor, low_freq_factor=low, high_freq_factor=high,
+                                            original_max_position_embeddings=original)
+    return model
 
 
 def layer_offset(module: Any) -> int:

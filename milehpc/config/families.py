@@ -1,0 +1,96 @@
+"""The model families milehpc trains and serves end to end: the ONE list every layer reads (login-side rules,
+the HF model builder, the Megatron converters). Login-safe: stdlib only; transformers is named, never imported.
+
+A local checkpoint folder names its family in ``config.json`` (``model_type``); ``[model].arch`` names the family
+of a random model built from the ``[model]`` table (an MoE table builds the family's MoE sibling).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from milehpc.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF family: where transformers keeps it and what its attention and MLP look like."""
+
+    module: str  # transformers.models.<x>.modeling_<x>
+    config_class: str
+    causal_lm: str
+    token_classification: str
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    moe: bool = False
+    moe_of: str | None = None  # the MoE family a random [model] table with num_experts > 0 builds
+    # What the Megatron converters and layer spec can express. GLM-4's extra post-attention and post-MLP norms are
+    # not in megatron-core's TransformerLayer: the torch trainer (and the engines) run it through transformers.
+    megatron: bool = True
+
+
+def _tf(name: str, prefix: str, **kw: object) -> Family:
+    return Family(f"transformers.models.{name}.modeling_{name}", f"{prefix}Config", f"{prefix}ForCausalLM",
+                  f"{prefix}ForTokenClassification", **kw)  # type: ignore[arg-type]
+
+
+# model_type -> family. Llama covers Llama 2 and 3.x (rope_type "llama3" scaling); Mistral without a sliding
+# window shorter than its context (Megatron's local attention has none); GLM-4 (GLM-4-0414, GLM-Z1) with the torch
+# trainer.
+FAMILIES: dict[str, Family] = {
+    "qwen2": _tf("qwen2", "Qwen2", moe_of="qwen2_moe"),
+    "qwen2_moe": _tf("qwen2_moe", "Qwen2Moe", moe=True),
+    "qwen3": _tf("qwen3", "Qwen3", qk_norm=True, moe_of="qwen3_moe"),
+    "qwen3_moe": _tf("qwen3_moe", "Qwen3Moe", qk_norm=True, moe=True),
+    "llama": _tf("llama", "Llama"),
+    "mistral": _tf("mistral", "Mistral"),
+    "mixtral": _tf("mixtral", "Mixtral", moe=True),
+    "glm4": _tf("glm4", "Glm4", megatron=False),
+}
+
+# What [model].arch may name: the dense families (num_experts > 0 builds their MoE sibling where they have one).
+RANDOM_ARCHS = ("qwen2", "qwen3", "llama", "mistral")
+
+
+def supported_text() -> str:
+    return ", ".join(sorted(FAMILIES))
+
+
+def check_family(model_type: object, *, file: str | None = None, field: str = "model.path") -> Family:
+    """The family of ``model_type``, or one ConfigError line naming it and what is supported."""
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise ConfigError(f"expected a config.json model_type in: {supported_text()}; got {model_type!r}",
+                          file=file, field=field)
+    return FAMILIES[model_type]
+
+
+def check_megatron_family(model_type: str, *, file: str | None = None) -> None:
+    """One ConfigError line when the Megatron trainer cannot express ``model_type`` (supported: the torch one)."""
+    if not FAMILIES[model_type].megatron:
+        able = ", ".join(sorted(k for k, f in FAMILIES.items() if f.megatron))
+        raise ConfigError(f"expected trainer.backend = 'torch' for a {model_type} model (the Megatron trainer takes "
+                          f"{able}), got 'megatron'", file=file, field="trainer.backend")
+
+
+def folder_model_type(path: str | Path) -> str | None:
+    """The ``model_type`` of a local HF folder's config.json, or None when the folder is not readable here (the
+    login node may not see the compute nodes' filesystem; the ranks check again when they load it)."""
+    config = Path(path).expanduser() / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data.get("model_type", "") if isinstance(data, dict) else ""  # readable, no family: refused
+
+
+def random_model_type(arch: str, num_experts: int, *, file: str | None = None) -> str:
+    """The model_type a random model from the ``[model]`` table is built as."""
+    if num_experts > 0:
+        moe = FAMILIES[arch].moe_of
+        if moe is None:
+            raise ConfigError(f"expected arch in {', '.join(a for a in RANDOM_ARCHS if FAMILIES[a].moe_of)} for a "
+                              f"mixture of experts (model.num_experts = {num_experts}), got {arch!r}",
+                              file=file, field="model.arch")
+        return moe
+    return arch
