@@ -137,6 +137,9 @@ def test_local_loop_logs_eval_metrics_and_trains_exactly_as_without(tmp_path: Pa
     assert last["eval/pass@1"] <= last["eval/pass@3"]
     records = {r["step"]: r for r in map(json.loads, (tmp_path / "on" / "metrics.jsonl").read_text().splitlines())}
     assert [s for s, r in records.items() if "eval/acc" in r] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "on" / "evals").iterdir()) == ["step_00000001.jsonl",
+                                                                             "step_00000002.jsonl"]
+    assert not (tmp_path / "off" / "evals").exists()
     assert records[2]["eval/sorting/pass@3"] == last["eval/sorting/pass@3"]
     events = EventAccumulator(str(tmp_path / "on" / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
@@ -144,20 +147,66 @@ def test_local_loop_logs_eval_metrics_and_trains_exactly_as_without(tmp_path: Pa
     assert tb == pytest.approx({1: with_eval[1]["eval/reversing/reward_mean"], 2: last["eval/reversing/reward_mean"]})
 
 
-# ---- `milehpc eval` after the fact ----------------------------------------------------------------------------
-
-def test_milehpc_eval_of_each_checkpoint_gives_the_loop_numbers(tmp_path: Path) -> None:
-    from click.testing import CliRunner
-
-    from milehpc.cli import cli
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict[str, float]]]:
+    """A local run of 2 steps, evaluated and checkpointed after each: (run dir, validation file, metrics history).
+    Its reward differs within every group and its lr is high, so each step changes the greedy answers."""
     from milehpc.config.schema import to_dict
     from milehpc.runtime.loop import run_local
 
+    tmp_path = tmp_path_factory.mktemp("checkpointed")
     val = write_val(tmp_path / "val.jsonl", n=6)
-    job = job_from_dict({**eval_job(val, eval_every=1, steps=2), "checkpoint": {"interval_steps": 1}})
+    spec = {**eval_job(val, eval_every=1, steps=2), "checkpoint": {"interval_steps": 1},
+            "reward": {"name": "ckpt_reshard_entries:token_reward"}}
+    spec["trainer"]["lr"] = 3e-2
+    job = job_from_dict(spec)
     run = tmp_path / "run"
     history = run_local(job, run, checkpointing=True)
     (run / "job.json").write_text(json.dumps(to_dict(job)))  # what `milehpc submit` writes
+    return run, val, history
+
+
+def test_local_loop_writes_each_evaluations_greedy_answers(
+        checkpointed: tuple[Path, Path, list[dict[str, float]]]) -> None:
+    """RUN_DIR/evals/step_NNNNNNNN.jsonl: per prompt, in stream order, the greedy answer the engine gives with the
+    weights evaluated (checkpoint N + 1's), one prompt at a time — the same ids, text and reward."""
+    from milehpc.export.run import policy_weights
+    from milehpc.export.source import load_source
+    from milehpc.rollout.engine import SamplingParams
+    from milehpc.rollout.reference import build_engine
+
+    run, val, history = checkpointed
+    assert sorted(p.name for p in (run / "evals").iterdir()) == ["step_00000000.jsonl", "step_00000001.jsonl"]
+    prompts = [json.loads(line) for line in val.read_text().splitlines()]
+    answers: list[list[int]] = []
+    for step in (0, 1):
+        rows = [json.loads(line) for line in (run / "evals" / f"step_{step:08d}.jsonl").read_text().splitlines()]
+        source = load_source(run, step + 1)  # checkpoint N: the weights the loop evaluated at metrics step N - 1
+        assert {r["step"] for r in rows} == {step}
+        assert {r["weight_version"] for r in rows} == {source.weight_version} == {history[step]["eval/weight_version"]}
+        assert [r["position"] for r in rows] == list(range(6))
+        assert [(r["prompt"], r["data_source"]) for r in rows] == [(p["prompt"], p["data_source"]) for p in prompts]
+        engine = build_engine(source.job)
+        engine.update_weights(policy_weights(source).items(), source.weight_version)
+        sp = SamplingParams(temperature=0.0, max_new_tokens=source.job.rollout.max_new_tokens, n=1)
+        for r in rows:
+            want, = engine.generate([engine.tokenizer.encode_prompt(r["prompt"])], sp)
+            assert (r["response_ids"], r["response"]) == (want.response_ids, want.response_text), r
+            assert len(r["sampled_rewards"]) == 3 and r["reward"] == (sum(want.response_ids) % 5) / 4
+        assert sum(r["reward"] for r in rows) / 6 == pytest.approx(history[step]["eval/reward_mean"])
+        answers.append([r["response_ids"] for r in rows])
+    assert answers[0] != answers[1]  # the two steps' weights answer differently: the file is not one step's twice
+
+
+# ---- `milehpc eval` after the fact ----------------------------------------------------------------------------
+
+def test_milehpc_eval_of_each_checkpoint_gives_the_loop_numbers(
+        checkpointed: tuple[Path, Path, list[dict[str, float]]]) -> None:
+    from click.testing import CliRunner
+
+    from milehpc.cli import cli
+
+    run, val, history = checkpointed
     runner = CliRunner()
     for step in (1, 2):  # checkpoint N holds the weights the loop evaluated at metrics step N - 1
         res = runner.invoke(cli, ["eval", str(run), "--step", str(step), "--data", str(val), "--json"])

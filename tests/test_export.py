@@ -4,8 +4,9 @@ exit 2), nothing half-written on failure; LoRA runs as a peft adapter folder (``
 
 Real runs of the sync loop in this process (``run_local``), the real CLI through click's runner. Checkpoints that
 need real mpirun are exported by the tests that already write them, with the checks from here: a Megatron TP=2 one
-at the end of tests/test_ckpt_reshard_mpi.py (:func:`check_megatron_export`), FSDP2 shards of 2 ranks in
-tests/test_loop_mpi.py (:func:`check_export_matches_rollouts`)."""
+at the end of tests/test_ckpt_reshard_mpi.py (:func:`check_megatron_export`), a Megatron TP=2 x PP=2 one in
+tests/test_megatron_mpi.py (:func:`check_export_generates_the_loop_answers`: the engine's greedy tokens), FSDP2
+shards of 2 ranks in tests/test_loop_mpi.py (:func:`check_export_matches_rollouts`)."""
 
 from __future__ import annotations
 
@@ -228,18 +229,34 @@ def test_lora_run_exports_the_peft_adapter_or_the_merged_model(lora_run: Path, t
     assert json.loads((tmp_path / "merged" / "milehpc_export.json").read_text())["kind"] == "merged"
 
 
-# ---- Megatron: called by tests/test_ckpt_reshard_mpi.py on its TP=2 checkpoint -----------------------------------
+# ---- Megatron: called by tests/test_ckpt_reshard_mpi.py (TP=2) and tests/test_megatron_mpi.py (TP=2 x PP=2) ---------
 
-def check_megatron_export(run_dir: Path, step: int, trainer_weights: dict[str, torch.Tensor], out: Path) -> None:
-    """``milehpc export`` of a Megatron run (a subprocess: Megatron's parallel state stays out of pytest's process)
-    gives exactly the weights the trainer itself exported (TP-gathered, HF-named) at that checkpoint, and the HF
-    model loaded from the folder has the logits of the job's HF model holding those weights."""
+def export_in_subprocess(run_dir: Path, step: int, out: Path) -> dict:
+    """``milehpc export RUN_DIR -o OUT --step N`` as a user runs it (a subprocess: Megatron's parallel state stays
+    out of pytest's process); the folder's provenance record."""
     proc = subprocess.run([str(Path(sys.executable).with_name("milehpc")), "export", str(run_dir), "-o", str(out),
                            "--step", str(step)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     record = json.loads((out / "milehpc_export.json").read_text())
-    assert record["trainer_backend"] == "megatron" and record["step"] == step, record
-    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert record["step"] == step, record
+    return record
+
+
+def load_exported(out: Path) -> torch.nn.Module:
+    """The folder's model through ``AutoModelForCausalLM``, every weight from the folder (transformers would
+    initialise a missing one at random and only warn)."""
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def check_megatron_export(run_dir: Path, step: int, trainer_weights: dict[str, torch.Tensor], out: Path) -> None:
+    """``milehpc export`` of a Megatron run gives exactly the weights the trainer itself exported (TP-gathered,
+    HF-named) at that checkpoint, and the HF model loaded from the folder has the logits of the job's HF model
+    holding those weights."""
+    record = export_in_subprocess(run_dir, step, out)
+    assert record["trainer_backend"] == "megatron", record
+    model = load_exported(out)
     got = model.state_dict()
     assert sorted(got) == sorted(trainer_weights)
     different = [n for n in trainer_weights if not torch.equal(got[n], trainer_weights[n])]
@@ -250,6 +267,27 @@ def check_megatron_export(run_dir: Path, step: int, trainer_weights: dict[str, t
     reference.load_state_dict(trainer_weights)
     batch = _batch(transformers.AutoTokenizer.from_pretrained(out))
     assert torch.equal(_logits(model, batch), _logits(reference, batch))
+
+
+def check_export_generates_the_loop_answers(run_dir: Path, step: int, out: Path) -> dict:
+    """Checkpoint ``step`` exported and loaded in ``transformers`` greedy-generates, one prompt at a time without
+    padding (stopping at EOS, the same ``max_new_tokens``), exactly the tokens the engine answered in the loop's
+    evaluation of those weights (``evals/`` of metrics step ``step - 1``). Returns the provenance record."""
+    rows = [json.loads(line) for line in (run_dir / "evals" / f"step_{step - 1:08d}.jsonl").read_text().splitlines()]
+    record = export_in_subprocess(run_dir, step, out)
+    assert rows and {r["weight_version"] for r in rows} == {record["weight_version"]}, (record, rows[0])
+    job = run_job(run_dir)
+    assert not job.rollout.stop  # the engine would also stop at these strings; generate() here at EOS only
+    model, tok = load_exported(out), transformers.AutoTokenizer.from_pretrained(out)
+    new_tokens = job.eval.max_new_tokens or job.rollout.max_new_tokens
+    for r in rows:
+        ids = torch.tensor([tok.encode(r["prompt"])])
+        with torch.no_grad():
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=new_tokens, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
+        assert got[0, ids.shape[1]:].tolist() == r["response_ids"], r
+    return record
 
 
 # ---- FSDP2: called by tests/test_loop_mpi.py on its colocated FSDP2 run (2 trainer ranks) ---------------------------

@@ -10,7 +10,9 @@ Two launches only (importing megatron, torch and transformers costs seconds per 
   (distillation): same loss, KL, value loss, policy and critic gradients.
 * the RL loop through ``milehpc run --site local``: GRPO + KL with Megatron trainer ranks at TP=2 x PP=2 x DP=2 (8 ranks,
   the distributed optimizer) and the reference engine on a 9th rank; after every weight sync (Megatron -> HF converter, one sync group per
-  pipeline stage) the engine's logprobs match the trainer's; periodic checkpoints go through dist_checkpointing.
+  pipeline stage) the engine's logprobs match the trainer's; periodic checkpoints go through dist_checkpointing; the
+  engine evaluates held-out prompts greedily, and the checkpoint exported with ``milehpc export`` generates the same
+  tokens in ``transformers``.
 """
 
 from __future__ import annotations
@@ -236,8 +238,20 @@ def _records(rdir: Path) -> list[dict]:
     return [last[k] for k in sorted(last)]
 
 
+# In-loop evaluation (issue 16): greedy answers to 4 held-out prompts after steps 2 and 3, in 2 engine batches.
+EVAL = ("[data]\n", '[data]\nval_source = "task:reverse"\n'), ("[run]\n", "[run]\neval_every = 2\n")
+EVAL_TABLE = "[eval]\nmax_prompts = 4\nbatch_size = 2\n"
+
+
 def test_grpo_with_megatron_tp2_pp2_dp2_and_reference_engine(tmp_path: Path) -> None:
-    rdir, records = _run(tmp_path, JOB)
+    """... and issue 16's must-show: ``milehpc export`` of the TP=2 x PP=2 checkpoint after step 3 loads in
+    ``transformers`` and greedy-generates the tokens the engine answered in the loop's evaluation of those weights."""
+    from test_export import check_export_generates_the_loop_answers
+
+    text = JOB
+    for old, new in EVAL:
+        text = text.replace(old, new)
+    rdir, records = _run(tmp_path, text + EVAL_TABLE)
     assert [r["step"] for r in records] == [0, 1, 2]
     first = records[0]
     assert first["dist/mpi_world_size"] == 9 and first["dist/trainer_world_size"] == 8
@@ -250,6 +264,13 @@ def test_grpo_with_megatron_tp2_pp2_dp2_and_reference_engine(tmp_path: Path) -> 
     ckpt = rdir / "checkpoints"
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000002", "step-00000003"]
     assert (ckpt / "megatron" / "v00000002" / "metadata.json").is_file()
+    assert [(r["step"], r["eval/weight_version"]) for r in records if "eval/prompts" in r] == [(1, 2), (2, 3)]
+    assert sorted(p.name for p in (rdir / "evals").iterdir()) == ["step_00000001.jsonl", "step_00000002.jsonl"]
+    record = check_export_generates_the_loop_answers(rdir, 3, tmp_path / "hf")
+    assert record["weight_version"] == 3 and record["trainer_backend"] == "megatron", record
+    assert (record["layout"]["tp"], record["layout"]["pp"], record["layout"]["dp"]) == (2, 2, 2), record
+    answers = [json.loads(line)["response_ids"] for line in (rdir / "evals" / "step_00000002.jsonl").open()]
+    assert len(answers) == 4 and sum(map(len, answers)) > 4, answers  # not 4 immediate EOS: tokens to compare
 
 
 def _dist_checkpoint(path: Path, out: Path) -> dict:

@@ -42,12 +42,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 @dataclass
 class PromptResult:
-    """One validation prompt's scores: the greedy answer's reward (None without greedy) and each sampled answer's."""
+    """One validation prompt's scores: the greedy answer's reward (None without greedy) and each sampled answer's;
+    and the greedy answer itself (token ids and text), which the loop writes to ``RUN_DIR/evals/``."""
 
     position: int  # in the validation stream: results merge by it
     source: str
     greedy: float | None = None
     sampled: list[float] = field(default_factory=list)
+    prompt: str = ""
+    greedy_ids: list[int] | None = None
+    greedy_text: str | None = None
 
 
 def eval_metrics(results: Sequence[PromptResult], *, threshold: float, ks: Sequence[int]) -> dict[str, float]:
@@ -138,10 +142,11 @@ class Evaluator:
         bs = self.spec.batch_size
         for b in range(engine_index, self.batches, num_engines):
             prompts = [self.source.peek(i) for i in range(b * bs, min((b + 1) * bs, self.size))]
-            results = {p.index: PromptResult(p.index, self._source_of(p)) for p in prompts}
+            results = {p.index: PromptResult(p.index, self._source_of(p), prompt=p.text) for p in prompts}
             if self.spec.greedy:
                 for s in self._answer(engine, prompts, replace(self.base, temperature=0.0, n=1, seed=self.spec.seed + b)):
-                    results[s.group].greedy = self._reward(s)
+                    r = results[s.group]
+                    r.greedy, r.greedy_ids, r.greedy_text = self._reward(s), list(s.response_ids), s.response_text
             if self.spec.n_samples:
                 sp = replace(self.base, n=self.spec.n_samples, seed=self.spec.seed + b)
                 for s in self._answer(engine, prompts, sp):
@@ -180,9 +185,20 @@ class Evaluator:
 
 def results_to_json(results: Sequence[PromptResult]) -> list[dict[str, Any]]:
     """Plain records (a pickled or JSON message between ranks, the ``eval/step_N.json`` file)."""
-    return [{"position": r.position, "source": r.source, "greedy": r.greedy, "sampled": list(r.sampled)}
-            for r in results]
+    return [{"position": r.position, "source": r.source, "greedy": r.greedy, "sampled": list(r.sampled),
+             "prompt": r.prompt, "greedy_ids": r.greedy_ids, "greedy_text": r.greedy_text} for r in results]
 
 
 def results_from_json(rows: Sequence[dict[str, Any]]) -> list[PromptResult]:
-    return [PromptResult(int(r["position"]), str(r["source"]), r["greedy"], list(r["sampled"])) for r in rows]
+    # .get: files written before the answers were kept have scores only
+    return [PromptResult(int(r["position"]), str(r["source"]), r["greedy"], list(r["sampled"]), r.get("prompt", ""),
+                         r.get("greedy_ids"), r.get("greedy_text")) for r in rows]
+
+
+def answer_rows(results: Sequence[PromptResult], *, step: int, weight_version: int) -> list[dict[str, Any]]:
+    """One evaluation's answers, one record per prompt in stream order (the lines of ``RUN_DIR/evals/
+    step_NNNNNNNN.jsonl``): the greedy answer's token ids and text (None without ``[eval].greedy``) and its reward,
+    the sampled answers' rewards, and the weights that answered."""
+    return [{"step": step, "weight_version": weight_version, "position": r.position, "data_source": r.source,
+             "prompt": r.prompt, "response_ids": r.greedy_ids, "response": r.greedy_text, "reward": r.greedy,
+             "sampled_rewards": list(r.sampled)} for r in sorted(results, key=lambda r: r.position)]

@@ -35,7 +35,7 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
     side = TrainerSide(job, trainer, run_dir=ctx.run_dir, dp_rank=dp, dp_size=plan.dp, leader=leader, file=file,
                        progress=progress)
     everyone = list(range(plan.world_size))
-    evals = LoopEval.for_job(job, file=file, announce=leader)
+    evals = LoopEval.for_job(job, file=file, announce=leader, run_dir=ctx.run_dir)
     side.static = world_facts(comms)
     try:
         checkpointing.restore(trainer=side, rollout=rollout)
@@ -92,7 +92,7 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
                                    num_engines=plan.engines)
                 parts = comms.gather(part, 0, everyone, what=f"step {step} evaluation")
                 if leader:
-                    metrics.update(evals.metrics(parts))
+                    metrics.update(evals.metrics(step, parts))
             if leader:
                 side.report(step, metrics, all_groups)
             checkpointing.requeue_if(requeue)  # after the report: the resumed run starts after this step

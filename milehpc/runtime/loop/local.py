@@ -40,7 +40,7 @@ def run_local(job: JobSpec, run_dir: str | Path | None = None, *, progress: bool
     engine = ReferenceEngine(engine_model, tok, seed=job.run.seed * 100_003)
     rollout = RolloutSide(job, engine)
     side = TrainerSide(job, trainer, run_dir=Path(run_dir) if run_dir else None, progress=progress)
-    evals = LoopEval.for_job(job, announce=progress)
+    evals = LoopEval.for_job(job, announce=progress, run_dir=run_dir)
     ckpt = None
     if checkpointing and run_dir is not None:
         from milehpc.runtime.loop.checkpointing import LoopCheckpoint
@@ -64,7 +64,7 @@ def run_local(job: JobSpec, run_dir: str | Path | None = None, *, progress: bool
             metrics["time/step"] = time.perf_counter() - t0
             stop = side.target_reached(metrics)  # before report() adds this step to the history it averages
             if evals is not None and eval_due(job, step, stop or step == job.run.steps - 1):
-                metrics.update(evals.metrics([evals.share(engine, rollout.state.weight_version)]))
+                metrics.update(evals.metrics(step, [evals.share(engine, rollout.state.weight_version)]))
             side.report(step, metrics, groups)
             if on_step is not None:
                 on_step(step, metrics)

@@ -59,7 +59,7 @@ class SeparateTrainer:
         self.rollout_ranks = list(self.plan.rollout_group())
         self.trainers = list(self.plan.trainer_group())
         # trainer rank 0 turns the engine leaders' evaluation results into eval/*
-        self.evals = LoopEval.for_job(self.job, answers=False) if self.leader else None
+        self.evals = LoopEval.for_job(self.job, answers=False, run_dir=ctx.run_dir) if self.leader else None
 
     def run(self) -> list[dict[str, float]]:
         job, side = self.job, self.side
@@ -153,7 +153,7 @@ class SeparateTrainer:
                 raise RuntimeFailure(f"trainer rank 0 expected the evaluation of step {step} from rank {src}, "
                                      f"got step {got}")
             parts.append(part)
-        return self.evals.metrics(parts)
+        return self.evals.metrics(step, parts)
 
     def receive_batch(self, step: int, src: int) -> tuple[list[Group], dict[str, float]]:
         """Engine leader ``src``'s batch of step ``step``; a re-sync request first (that engine restarted) gets
