@@ -18,4 +18,7 @@ fi
 stop_cluster() { [ "$started" -eq 1 ] && bash "$cluster" stop; }
 trap stop_cluster EXIT
 
-.venv/bin/python -m pytest -ra "$@"
+# Two pytest workers by default: much of a test's time is process start-up, MPI rendezvous and Slurm scheduling,
+# so two share the 2 cores of the CI machine well. A file's tests stay on one worker (--dist loadfile): the module
+# fixtures that launch MPI jobs run once. MILEHPC_TEST_WORKERS=0 runs everything in this one process.
+.venv/bin/python -m pytest -ra -n "${MILEHPC_TEST_WORKERS:-2}" --dist loadfile "$@"
