@@ -19,6 +19,6 @@ stop_cluster() { [ "$started" -eq 1 ] && bash "$cluster" stop; }
 trap stop_cluster EXIT
 
 # Two pytest workers by default: much of a test's time is process start-up, MPI rendezvous and Slurm scheduling,
-# so two share the 2 cores of the CI machine well. A file's tests stay on one worker (--dist loadfile): the module
+# so two share the 2 cores of the CI machine well. A file's tests stay on one worker (--dist loadfile; tests/conftest.py puts the long files first): the module
 # fixtures that launch MPI jobs run once. MILEHPC_TEST_WORKERS=0 runs everything in this one process.
-.venv/bin/python -m pytest -ra -n "${MILEHPC_TEST_WORKERS:-2}" --dist loadfile "$@"
+.venv/bin/python -m pytest -ra -n "${MILEHPC_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

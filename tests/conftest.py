@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,18 @@ no_trace.isolate()
 
 def pytest_sessionfinish(session, exitstatus):
     no_trace.finish(session)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files with the most slow tests run first (each file's own order kept). Under pytest-xdist
+    (scripts/test.sh: ``--dist loadfile --no-loadscope-reorder``) a long file then starts early instead of leaving
+    one worker busy at the end while the other idles."""
+    def file_of(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow = Counter(file_of(item) for item in items if item.get_closest_marker("slow"))
+    first_seen = {f: i for i, f in enumerate(dict.fromkeys(map(file_of, items)))}
+    items.sort(key=lambda item: (-slow[file_of(item)], first_seen[file_of(item)]))
 
 
 def pytest_addoption(parser):

@@ -16,7 +16,7 @@ import pytest
 from local_job import run_local_job
 from sglang_real import require_real_sglang
 
-pytestmark = [pytest.mark.mpi]
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
 def test_real_sglang_separate_ranks_router_restart_and_logprobs_agree(tmp_path: Path) -> None:
