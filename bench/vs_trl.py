@@ -1,0 +1,313 @@
+"""milehpc vs Hugging Face TRL's GRPOTrainer on the CPU demo's problem, side by side in one run.
+
+One shared starting policy: the demo's SFT warm-up (examples/cpu-demo.toml, RL lr 0 for its single step), exported
+as an HF folder with the toy tokenizer (``milehpc export``). From it, per seed: TRL's ``GRPOTrainer`` (one process),
+then ``milehpc run --site local`` with ``model.path`` = that folder, for the sync and the one_step_off loops. Same
+task prompts (task:reverse), 16 prompts x 8 samples, temperature 1.0, 8 new tokens, lr 1e-4, ppo-clip,
+token-mean ("dapo" in TRL), no KL, milehpc's own toy_match reward; each run stops at a mean reward of 0.8 over the
+last 10 steps. Printed per tool/mode: steps to 0.8, RL wall seconds to 0.8, s/step, generated tokens/s (over the
+generation time), peak RSS of the process tree. Last line: one JSON object with
+``ratio`` = milehpc time-to-target (best loop) / TRL's (median over seeds) and the per-mode figures.
+
+TRL is a benchmark-only dependency (``pip install trl`` next to milehpc):
+
+    .venv/bin/python bench/vs_trl.py [--seeds 3] [--max-steps 1500] [--repo .]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10, as milehpc.config.load does
+    import tomli as tomllib
+
+# The window of milehpc's own run.target_reward, so both tools stop by the same rule.
+from milehpc.runtime.loop.schedule import TARGET_WINDOW as WINDOW
+
+TARGET = 0.8
+LOOPS = ("sync", "one_step_off")
+
+
+def find_repo(arg: str | None) -> Path:
+    """The milehpc checkout: --repo, else the cwd or a parent of this file that holds examples/cpu-demo.toml."""
+    candidates = [Path(arg)] if arg else [Path.cwd(), *Path(__file__).resolve().parents]
+    for c in candidates:
+        if (c / "examples" / "cpu-demo.toml").is_file():
+            return c.resolve()
+    sys.exit(f"vs_trl: expected a milehpc checkout (examples/cpu-demo.toml) at {arg or 'the cwd'}; pass --repo")
+
+
+def to_toml(doc: dict[str, Any]) -> str:
+    """The demo's job as TOML again (tables of scalars and inline tables: all the demo uses)."""
+    def val(v: Any) -> str:
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + " }"
+        return json.dumps(v)  # bool, int, float, str: JSON spells them as TOML does
+
+    out = [f"{k} = {val(v)}" for k, v in doc.items() if not isinstance(v, dict)]
+    for table, body in doc.items():
+        if isinstance(body, dict):
+            out += [f"\n[{table}]", *(f"{k} = {val(v)}" for k, v in body.items())]
+    return "\n".join(out) + "\n"
+
+
+class PeakRSS:
+    """Peak of the summed RSS of a process and all its descendants, sampled every 0.1 s."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.root, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.1):
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            total = 0
+            for p in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):  # a rank that ended between the two calls
+                    total += p.memory_info().rss
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak / 2**20
+
+
+def run_tree(cmd: list[str], env: dict[str, str], log: Path) -> float:
+    """Run ``cmd`` to the end (output in ``log``); returns the peak RSS of its tree in MiB."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        rss = PeakRSS(proc.pid)
+        rc = proc.wait()
+    peak = rss.stop()
+    if rc:
+        sys.exit(f"vs_trl: {' '.join(cmd[:3])} failed (exit {rc}):\n{log.read_text()[-3000:]}")
+    return peak
+
+
+def demo_job(repo: Path) -> dict[str, Any]:
+    return tomllib.loads((repo / "examples" / "cpu-demo.toml").read_text())
+
+
+def milehpc_bin() -> str:
+    return str(Path(sys.executable).with_name("milehpc"))
+
+
+def build_policy(repo: Path, work: Path) -> Path:
+    """The demo's warm-up once, exported as an HF folder: one RL step at lr 0 leaves the warmed-up weights as
+    they are, and the end-of-run checkpoint is what ``milehpc export`` reads."""
+    job = demo_job(repo)
+    job["trainer"]["lr"] = 0.0
+    job["run"].update(steps=1, loop="sync", dump_rollouts=False)
+    job["run"].pop("target_reward", None)
+    (work / "warmup.toml").write_text(to_toml(job))
+    # Threads per rank are the site's choice (site-configs/local.toml): the benchmark runs what a user gets.
+    env = {**os.environ, "MILEHPC_PROGRESS": "plain"}
+    run_tree([milehpc_bin(), "run", str(work / "warmup.toml"), "--site", "local", "--run-dir", str(work / "warmup")],
+             env, work / "warmup.log")
+    out = work / "policy"
+    run_tree([milehpc_bin(), "export", str(work / "warmup"), "-o", str(out)], env, work / "export.log")
+    return out
+
+
+def window_hit(rewards: list[float]) -> int | None:
+    """1-based step at which the mean of the last WINDOW rewards first reaches TARGET."""
+    for i in range(WINDOW, len(rewards) + 1):
+        if sum(rewards[i - WINDOW:i]) / WINDOW >= TARGET:
+            return i
+    return None
+
+
+def run_milehpc(repo: Path, policy: Path, loop: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
+    job = demo_job(repo)
+    job["model"]["path"] = str(policy)
+    job["trainer"]["sft_warmup_steps"] = 0
+    job["run"].update(loop=loop, seed=seed, steps=args.max_steps, target_reward=TARGET, dump_rollouts=False)
+    name = f"milehpc-{loop}-s{seed}"
+    (work / f"{name}.toml").write_text(to_toml(job))
+    env = {**os.environ, "MILEHPC_PROGRESS": "plain"}
+    peak = run_tree([milehpc_bin(), "run", str(work / f"{name}.toml"), "--site", "local",
+                     "--run-dir", str(work / name)], env, work / f"{name}.log")
+    recs = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if "rollout/reward_mean" in r]
+    # RL starts where the first step started: its end time less its own duration.
+    start = recs[0]["time"] - recs[0].get("time/step", 0.0)
+    hit = window_hit([r["rollout/reward_mean"] for r in recs])
+    end = recs[(hit or len(recs)) - 1]["time"]
+    gen_tokens = sum(r.get("rollout/gen_tokens", 0.0) for r in recs)
+    gen_s = sum(r.get("time/gen", 0.0) for r in recs)
+    steady = recs[5:] or recs  # the first steps pay for warm-up (allocations, the first weight sync)
+    keys = {k for r in steady for k in r if k.startswith("time/") and k != "time/elapsed"}
+    phases = {k: statistics.median(r[k] for r in steady if k in r) for k in sorted(keys)}
+    return {"steps": hit, "seconds": end - start if hit else None, "s_per_step": (recs[-1]["time"] - start) / len(recs),
+            "tokens_per_s": gen_tokens / gen_s if gen_s else None, "peak_rss_mib": peak,
+            "final_reward": recs[-1]["rollout/reward_mean"], "phases": phases}
+
+
+def run_trl(policy: Path, seed: int, args: argparse.Namespace, work: Path) -> dict:
+    out = work / f"trl-s{seed}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.trl_threads)}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(out), "--policy", str(policy),
+           "--seed", str(seed), "--max-steps", str(args.max_steps), "--trl-threads", str(args.trl_threads)]
+    peak = run_tree(cmd, env, work / f"trl-s{seed}.log")
+    return {**json.loads(out.read_text()), "peak_rss_mib": peak}
+
+
+def trl_worker(args: argparse.Namespace) -> None:
+    """Inside the TRL process: GRPOTrainer on the same task, reward and hyperparameters; writes its figures."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from milehpc.data.tasks import reverse_task, toy_match
+
+    torch.set_num_threads(args.trl_threads)
+    n = 16 * args.max_steps
+    task = reverse_task(seed=0, min_len=4, max_len=5)
+    data = Dataset.from_list([{"prompt": ex["prompt"], "label": ex["label"]} for ex in (task[i] for i in range(n))])
+
+    def reward(prompts: list[str], completions: list[str], label: list[str], **_: Any) -> list[float]:
+        # milehpc's own reward on a duck-typed sample (response_text, label).
+        return [toy_match(argparse.Namespace(response_text=c, label=lab)) for c, lab in zip(completions, label, strict=True)]
+
+    rewards: list[float] = []
+    lengths: list[float] = []
+    gen_times: list[float] = []
+    clock: dict[str, float] = {}
+
+    class Stop(TrainerCallback):
+        def on_train_begin(self, *a: Any, **k: Any) -> None:
+            clock["start"] = time.perf_counter()
+
+        def on_log(self, _args: Any, state: Any, control: Any, logs: dict | None = None, **k: Any) -> None:
+            if not logs or "reward" not in logs:
+                return
+            rewards.append(logs["reward"])
+            lengths.append(logs.get("completions/mean_length", 0.0))
+            clock["last"] = time.perf_counter()
+            if window_hit(rewards) and "hit" not in clock:
+                clock["hit"] = clock["last"]
+                control.should_training_stop = True
+
+    cfg = GRPOConfig(output_dir=str(Path(args.trl_worker).parent / f"trl-out-s{args.seed}"), seed=args.seed,
+                     use_cpu=True, max_steps=args.max_steps, learning_rate=1e-4, lr_scheduler_type="constant",
+                     warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, per_device_train_batch_size=128,
+                     gradient_accumulation_steps=1, num_generations=8, max_completion_length=8, temperature=1.0,
+                     beta=0.0, epsilon=0.2, loss_type="dapo", num_iterations=1, logging_steps=1,
+                     report_to="none", save_strategy="no", bf16=False, gradient_checkpointing=False, disable_tqdm=True, dataloader_num_workers=0)
+    model = AutoModelForCausalLM.from_pretrained(str(args.policy), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(args.policy))
+    generate = model.generate
+
+    def timed_generate(*a: Any, **k: Any) -> Any:
+        # TRL logs its generation time only to W&B/MLflow/Trackio: time model.generate here instead.
+        t = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            gen_times.append(time.perf_counter() - t)
+
+    model.generate = timed_generate
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
+                          callbacks=[Stop()])
+    trainer.train()
+    steps = window_hit(rewards)
+    total = clock["last"] - clock["start"]
+    gen_s = sum(gen_times)
+    tokens = sum(128 * x for x in lengths)
+    Path(args.trl_worker).write_text(json.dumps({
+        "steps": steps, "seconds": clock["hit"] - clock["start"] if steps else None,
+        "s_per_step": total / len(rewards), "tokens_per_s": tokens / gen_s if gen_s else None,
+        "final_reward": rewards[-1], "first_reward": rewards[0]}))
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def median(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--max-steps", type=int, default=1500, help="a run that has not reached 0.8 by then stops")
+    ap.add_argument("--repo", help="the milehpc checkout (default: the cwd or a parent of this file)")
+    ap.add_argument("--trl-threads", type=int, default=2)
+    ap.add_argument("--loops", default=",".join(LOOPS), help="milehpc loops to run, comma-separated")
+    ap.add_argument("--work", help="keep the run folders here (default: a temporary folder)")
+    ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--policy", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.trl_worker:
+        trl_worker(args)
+        return
+    try:
+        import trl  # noqa: F401  (benchmark-only: never a milehpc dependency)
+    except ImportError:
+        print("vs_trl: needs TRL (pip install trl, e.g. trl==1.16.0), which milehpc does not depend on",
+              file=sys.stderr)
+        sys.exit(2)
+    repo = find_repo(args.repo)
+    loops = [x for x in args.loops.split(",") if x]
+    with tempfile.TemporaryDirectory(prefix="milehpc-vs-trl-") as tmp:
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        policy = build_policy(repo, work)
+        print(f"starting policy (SFT warm-up, exported) in {time.perf_counter() - t0:.1f}s", flush=True)
+        results: dict[str, list[dict]] = {"trl": [], **{f"milehpc-{lp}": [] for lp in loops}}
+        for seed in range(args.seeds):
+            results["trl"].append(run_trl(policy, seed, args, work))
+            for lp in loops:
+                results[f"milehpc-{lp}"].append(run_milehpc(repo, policy, lp, seed, args, work))
+            for mode, runs in results.items():
+                r = runs[-1]
+                print(f"seed {seed} {mode:<22} steps {fmt(r['steps'], 'd')}  {fmt(r['seconds'], '.1f')}s  "
+                      f"final reward {r['final_reward']:.2f}", flush=True)
+    print(f"\n{'tool/mode':<22}{'steps to 0.8':>13}{'RL s to 0.8':>13}{'s/step':>9}{'gen tok/s':>11}{'peak RSS':>11}")
+    summary: dict[str, dict[str, Any]] = {}
+    for mode, runs in results.items():
+        s = {k: median([r[k] for r in runs]) for k in ("steps", "seconds", "s_per_step", "tokens_per_s",
+                                                       "peak_rss_mib")}
+        s["reached"] = sum(r["steps"] is not None for r in runs)
+        if mode != "trl":
+            s["phases_s"] = {k: round(v, 4) for k, v in runs[0]["phases"].items()}
+        summary[mode] = {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}
+        print(f"{mode:<22}{fmt(s['steps'], '.0f'):>13}{fmt(s['seconds'], '.1f'):>13}{fmt(s['s_per_step'], '.3f'):>9}"
+              f"{fmt(s['tokens_per_s'], '.0f'):>11}{fmt(s['peak_rss_mib'], '.0f'):>8}MiB")
+    trl_t = summary["trl"]["seconds"]
+    best = {m: summary[m]["seconds"] for m in summary if m != "trl" and summary[m]["seconds"] is not None}
+    ratio = {m: round(t / trl_t, 3) for m, t in best.items()} if trl_t else {}
+    result = {"ratio": min(ratio.values()) if ratio else None, "ratio_by_mode": ratio, "goal": 0.8,
+              "seeds": args.seeds, "target_reward": TARGET, "modes": summary}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
