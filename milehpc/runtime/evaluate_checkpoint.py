@@ -14,13 +14,9 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from milehpc.errors import ConfigError
-
-if TYPE_CHECKING:
-
-    pass
 
 REFERENCE_ENGINES = ("reference", "reference_process")
 
@@ -44,6 +40,7 @@ def evaluate_checkpoint(run_dir: str | Path, data: str | Path, *, step: int | No
     ``overrides``: ``[eval]`` fields (``n_samples``, ``pass_k``, ...) for this evaluation only."""
     from milehpc.config.job import EvalSpec
     from milehpc.config.schema import build, to_dict
+    from milehpc.export.run import policy_weights
     from milehpc.export.source import load_source
     from milehpc.rollout.evaluate import Evaluator, results_to_json
     from milehpc.rollout.reference import build_engine
@@ -66,8 +63,6 @@ def evaluate_checkpoint(run_dir: str | Path, data: str | Path, *, step: int | No
         notes.append(f"the job's engine is {job.rollout.engine!r}: evaluating with the reference engine (same "
                      "weights, sampling and seeds) in this process")
     engine = build_engine(job)
-    from milehpc.export.run import policy_weights
-
     engine.update_weights(policy_weights(source).items(), source.weight_version)
     evaluator = Evaluator(job, engine.tokenizer, data=str(data))
     results = evaluator.run(engine)
