@@ -29,11 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10, as milehpc.config.load does
-    import tomli as tomllib
-
 # The window of milehpc's own run.target_reward, so both tools stop by the same rule.
 from milehpc.runtime.loop.schedule import TARGET_WINDOW as WINDOW
 
@@ -48,20 +43,6 @@ def find_repo(arg: str | None) -> Path:
         if (c / "examples" / "cpu-demo.toml").is_file():
             return c.resolve()
     sys.exit(f"vs_trl: expected a milehpc checkout (examples/cpu-demo.toml) at {arg or 'the cwd'}; pass --repo")
-
-
-def to_toml(doc: dict[str, Any]) -> str:
-    """The demo's job as TOML again (tables of scalars and inline tables: all the demo uses)."""
-    def val(v: Any) -> str:
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + " }"
-        return json.dumps(v)  # bool, int, float, str: JSON spells them as TOML does
-
-    out = [f"{k} = {val(v)}" for k, v in doc.items() if not isinstance(v, dict)]
-    for table, body in doc.items():
-        if isinstance(body, dict):
-            out += [f"\n[{table}]", *(f"{k} = {val(v)}" for k, v in body.items())]
-    return "\n".join(out) + "\n"
 
 
 class PeakRSS:
@@ -106,28 +87,26 @@ def run_tree(cmd: list[str], env: dict[str, str], log: Path) -> float:
     return peak
 
 
-def demo_job(repo: Path) -> dict[str, Any]:
-    return tomllib.loads((repo / "examples" / "cpu-demo.toml").read_text())
-
-
 def milehpc_bin() -> str:
     return str(Path(sys.executable).with_name("milehpc"))
+
+
+def run_demo(repo: Path, overrides: list[str], run_dir: Path, log: Path) -> float:
+    """``milehpc run examples/cpu-demo.toml --site local`` with ``--set`` overrides; returns its peak RSS (MiB)."""
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    # Threads per rank are the site's choice (site-configs/local.toml): the benchmark runs what a user gets.
+    env = {**os.environ, "MILEHPC_PROGRESS": "plain"}
+    return run_tree([milehpc_bin(), "run", str(repo / "examples" / "cpu-demo.toml"), "--site", "local", *sets,
+                     "--run-dir", str(run_dir)], env, log)
 
 
 def build_policy(repo: Path, work: Path) -> Path:
     """The demo's warm-up once, exported as an HF folder: one RL step at lr 0 leaves the warmed-up weights as
     they are, and the end-of-run checkpoint is what ``milehpc export`` reads."""
-    job = demo_job(repo)
-    job["trainer"]["lr"] = 0.0
-    job["run"].update(steps=1, loop="sync", dump_rollouts=False)
-    job["run"].pop("target_reward", None)
-    (work / "warmup.toml").write_text(to_toml(job))
-    # Threads per rank are the site's choice (site-configs/local.toml): the benchmark runs what a user gets.
-    env = {**os.environ, "MILEHPC_PROGRESS": "plain"}
-    run_tree([milehpc_bin(), "run", str(work / "warmup.toml"), "--site", "local", "--run-dir", str(work / "warmup")],
-             env, work / "warmup.log")
+    run_demo(repo, ["trainer.lr=0.0", "run.steps=1", 'run.loop="sync"', "run.dump_rollouts=false"],
+             work / "warmup", work / "warmup.log")
     out = work / "policy"
-    run_tree([milehpc_bin(), "export", str(work / "warmup"), "-o", str(out)], env, work / "export.log")
+    run_tree([milehpc_bin(), "export", str(work / "warmup"), "-o", str(out)], {**os.environ}, work / "export.log")
     return out
 
 
@@ -140,15 +119,10 @@ def window_hit(rewards: list[float]) -> int | None:
 
 
 def run_milehpc(repo: Path, policy: Path, loop: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
-    job = demo_job(repo)
-    job["model"]["path"] = str(policy)
-    job["trainer"]["sft_warmup_steps"] = 0
-    job["run"].update(loop=loop, seed=seed, steps=args.max_steps, target_reward=TARGET, dump_rollouts=False)
     name = f"milehpc-{loop}-s{seed}"
-    (work / f"{name}.toml").write_text(to_toml(job))
-    env = {**os.environ, "MILEHPC_PROGRESS": "plain"}
-    peak = run_tree([milehpc_bin(), "run", str(work / f"{name}.toml"), "--site", "local",
-                     "--run-dir", str(work / name)], env, work / f"{name}.log")
+    peak = run_demo(repo, [f"model.path={json.dumps(str(policy))}", "trainer.sft_warmup_steps=0",
+                           f"run.loop={json.dumps(loop)}", f"run.seed={seed}", f"run.steps={args.max_steps}",
+                           f"run.target_reward={TARGET}", "run.dump_rollouts=false"], work / name, work / f"{name}.log")
     recs = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "rollout/reward_mean" in r]
     # RL starts where the first step started: its end time less its own duration.
