@@ -28,7 +28,7 @@ RANK_LOG = "logs/rank-{rank}.log"
 LOCAL_PREFIX = "local-"
 
 
-def _is_local(job_id: str) -> bool:
+def is_local(job_id: str) -> bool:
     return job_id.startswith(LOCAL_PREFIX)
 
 
@@ -56,7 +56,7 @@ def run_dir_of(job_id: str, record: dict[str, Any] | None = None) -> Path | None
 
 # ---- status --------------------------------------------------------------------------------------------------
 
-def _local_status(job_id: str) -> JobStatus:
+def local_status(job_id: str) -> JobStatus:
     pid_text = job_id[len(LOCAL_PREFIX):]
     if not pid_text.isdigit():
         raise SchedulerError(f"expected a job id like local-1234, got {job_id!r}", field="JOBID")
@@ -79,7 +79,7 @@ def _same_job(pid: int, rec: dict[str, Any]) -> bool:
 
 def status(job_ids: list[str]) -> list[JobStatus]:
     """One entry per job (per element for arrays), in the order asked; Slurm queries batched in one go."""
-    remote = [check_job_id(j) for j in job_ids if not _is_local(j)]
+    remote = [check_job_id(j) for j in job_ids if not is_local(j)]
     found: dict[str, list[JobStatus]] = {}
     if remote:
         from milehpc.scheduler.slurm import query
@@ -87,8 +87,8 @@ def status(job_ids: list[str]) -> list[JobStatus]:
         found = query(remote, details=True)
     out: list[JobStatus] = []
     for j in job_ids:
-        if _is_local(j):
-            out.append(_local_status(j))
+        if is_local(j):
+            out.append(local_status(j))
             continue
         for st in found[j]:
             rdir = run_dir_of(st.job_id)
@@ -108,18 +108,18 @@ def jobs(limit: int | None = 20, with_status: bool = True) -> list[dict[str, Any
     states: dict[str, str] = {}
     if with_status and recs:
         ids = [str(r["job_id"]) for r in recs]
-        slurm_ids = [j for j in ids if not _is_local(j)]
+        slurm_ids = [j for j in ids if not is_local(j)]
         try:
             if slurm_ids:
                 from milehpc.scheduler.slurm import query
 
                 for asked, sts in query(slurm_ids).items():
-                    states[asked] = _summary(sts)
+                    states[asked] = summarize(sts)
         except SchedulerError as err:  # no Slurm here: the record alone is still worth showing
             states = {j: f"? ({err})" for j in slurm_ids}
         for j in ids:
-            if _is_local(j):
-                states[j] = _local_status(j).state
+            if is_local(j):
+                states[j] = local_status(j).state
     out = []
     for rec in recs:
         row = {"job_id": str(rec["job_id"]), "name": rec.get("name", ""), "site": rec.get("site", ""),
@@ -135,7 +135,7 @@ def jobs(limit: int | None = 20, with_status: bool = True) -> list[dict[str, Any
     return out
 
 
-def _summary(statuses: list[JobStatus]) -> str:
+def summarize(statuses: list[JobStatus]) -> str:
     """One word for a job, or counts for an array ('COMPLETED:2 RUNNING:1')."""
     if len(statuses) == 1:
         return statuses[0].state
@@ -147,25 +147,38 @@ def _summary(statuses: list[JobStatus]) -> str:
 
 # ---- cancel --------------------------------------------------------------------------------------------------
 
-def cancel(job_id: str) -> str:
-    """Cancel a job; says what was done. Unknown or already-ended jobs are errors with one line."""
-    if _is_local(job_id):
-        st = _local_status(job_id)
-        if st.state != "RUNNING":
-            raise SchedulerError(f"job {job_id} is not running ({st.state.lower()})", field="JOBID")
-        pid = int(job_id[len(LOCAL_PREFIX):])
-        os.killpg(pid, signal.SIGTERM)  # its own session (start_detached): the script, mpirun and the ranks
-        return f"sent SIGTERM to local job {job_id} (process group {pid})"
-    from milehpc.scheduler.slurm import query, scancel
+def live_local_pid(job_id: str) -> int:
+    """The process group of a running local job; a job that is not running is an error with one line."""
+    st = local_status(job_id)
+    if st.state != "RUNNING":
+        raise SchedulerError(f"job {job_id} is not running ({st.state.lower()})", field="JOBID")
+    return int(job_id[len(LOCAL_PREFIX):])
+
+
+def live_slurm_statuses(job_id: str) -> list[JobStatus]:
+    """The live statuses of a Slurm job (one, or a sweep's elements); unknown or ended jobs are one-line errors."""
+    from milehpc.scheduler.slurm import query
 
     sts = query([job_id])[check_job_id(job_id)]
     if all(st.state == "UNKNOWN" for st in sts):
         raise SchedulerError(f"job {job_id} is unknown to Slurm ({sts[0].reason})", field="JOBID")
     live = [st for st in sts if not st.terminal]
     if not live:
-        raise SchedulerError(f"job {job_id} already ended ({_summary(sts)})", field="JOBID")
+        raise SchedulerError(f"job {job_id} already ended ({summarize(sts)})", field="JOBID")
+    return live
+
+
+def cancel(job_id: str) -> str:
+    """Cancel a job; says what was done. Unknown or already-ended jobs are errors with one line."""
+    if is_local(job_id):
+        pid = live_local_pid(job_id)
+        os.killpg(pid, signal.SIGTERM)  # its own session (start_detached): the script, mpirun and the ranks
+        return f"sent SIGTERM to local job {job_id} (process group {pid})"
+    from milehpc.scheduler.slurm import scancel
+
+    live = live_slurm_statuses(job_id)
     scancel(job_id)
-    return f"cancelled job {job_id} ({_summary(live)} before)"
+    return f"cancelled job {job_id} ({summarize(live)} before)"
 
 
 # ---- logs ----------------------------------------------------------------------------------------------------
@@ -173,12 +186,12 @@ def cancel(job_id: str) -> str:
 def log_path(job_id: str, rank: int | None = None) -> Path:
     """The file ``milehpc logs`` shows for a job (see the module docstring for the layout)."""
     job_id = job_id.strip()
-    if not _is_local(job_id):
+    if not is_local(job_id):
         check_job_id(job_id)
     rec = find_record(job_id)
     rdir = run_dir_of(job_id, rec)
-    if rdir is None and not _is_local(job_id):
-        rdir = _run_dir_from_slurm(job_id)
+    if rdir is None and not is_local(job_id):
+        rdir = run_dir_from_slurm(job_id)
     if rank is not None:
         if rdir is None:
             raise SchedulerError(f"job {job_id} is not in this user's milehpc records, so its run directory (and "
@@ -187,7 +200,7 @@ def log_path(job_id: str, rank: int | None = None) -> Path:
         if path.exists():
             return path
         # No rank file: the batch log holds every rank's output (filtered by the caller).
-    if _is_local(job_id):
+    if is_local(job_id):
         if rdir is None:
             raise SchedulerError(f"job {job_id} is not in this user's milehpc records", field="JOBID")
         return rdir / "logs" / "local.out"
@@ -224,7 +237,7 @@ def log_path(job_id: str, rank: int | None = None) -> Path:
     raise SchedulerError(f"no log known for job {job_id}", field="JOBID")
 
 
-def _run_dir_from_slurm(job_id: str) -> Path | None:
+def run_dir_from_slurm(job_id: str) -> Path | None:
     """A job submitted elsewhere (another machine's record): its script is RUN_DIR/job.sbatch."""
     from milehpc.scheduler.slurm import show_job
 

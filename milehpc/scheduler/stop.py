@@ -32,7 +32,7 @@ def stop(target: str) -> list[str]:
     path = Path(target).expanduser()
     if path.is_dir():
         return _stop_run_dir(path)
-    if JOB_ID.fullmatch(target) or lifecycle._is_local(target):
+    if JOB_ID.fullmatch(target) or lifecycle.is_local(target):
         return _stop_job(target)
     if path.exists():
         raise SchedulerError(f"{target} is not a milehpc run directory (expected a directory with {RUN_DIR_MARKER})",
@@ -74,21 +74,14 @@ def _same_dir(recorded: str | None, run_dir: Path) -> bool:
 
 
 def _stop_job(job_id: str) -> list[str]:
-    if lifecycle._is_local(job_id):
-        st = lifecycle._local_status(job_id)
-        if st.state != "RUNNING":
-            raise SchedulerError(f"job {job_id} is not running ({st.state.lower()})", field="JOBID")
+    if lifecycle.is_local(job_id):
+        lifecycle.live_local_pid(job_id)
         run_dir = _run_dir(job_id)
         _request(run_dir)
         return _asked(job_id, run_dir)
-    from milehpc.scheduler.slurm import query, scancel
+    from milehpc.scheduler.slurm import scancel
 
-    sts = query([job_id])[job_id]
-    if all(st.state == "UNKNOWN" for st in sts):
-        raise SchedulerError(f"job {job_id} is unknown to Slurm ({sts[0].reason})", field="JOBID")
-    live = [st for st in sts if not st.terminal]
-    if not live:
-        raise SchedulerError(f"job {job_id} already ended ({lifecycle._summary(sts)})", field="JOBID")
+    live = lifecycle.live_slurm_statuses(job_id)
     lines: list[str] = []
     for st in live:  # one job, or the live elements of a sweep
         if st.state == "PENDING":
@@ -106,7 +99,7 @@ def _stop_job(job_id: str) -> list[str]:
 
 
 def _run_dir(job_id: str) -> Path:
-    run_dir = lifecycle.run_dir_of(job_id) or lifecycle._run_dir_from_slurm(job_id)
+    run_dir = lifecycle.run_dir_of(job_id) or lifecycle.run_dir_from_slurm(job_id)
     if run_dir is None:
         raise SchedulerError(f"no run directory known for job {job_id} (submitted elsewhere?): give its RUN_DIR",
                              field="JOBID")
