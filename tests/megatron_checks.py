@@ -7,7 +7,8 @@ first on the whole world; then ranks 0-1 carry on in a fresh 2-rank process grou
 others, each of which re-carves Megatron's parallel state out of the same 2-rank world (``-np 2`` runs those alone):
 
 * ``parity4`` (4 ranks) — the same batch through the torch trainer and the Megatron trainer at TP=2 x PP=2 with the
-  KL reference, the critic (PPO/GAE) and the teacher (distillation): loss, value loss, gradient norms.
+  KL reference, the critic (PPO/GAE) and the teacher (distillation), and every other estimator, loss and
+  aggregation mode (``PARITY_MODES``): loss, value loss, gradient norms.
 * ``logits``  — TP=2: the Megatron model built from HF weights vs the HF model: logits (gathered over TP),
   per-token logprobs and entropy from the vocab-parallel path; the export at TP=2 round-trips the HF weights.
 * ``path``    — the model from a local HF checkpoint folder (``model.path``).
@@ -21,8 +22,9 @@ others, each of which re-carves Megatron's parallel state out of the same 2-rank
 * ``parity``  — the same batch through the torch trainer and the Megatron trainer (TP=1 x DP=2, TP=2, PP=2) with a
   KL reference (in the loss, in the reward), a critic (GAE) and a teacher (distillation): loss, KL, value loss,
   policy and critic gradients; the reference and teacher offloaded when colocated, the reference rebuilt on resume,
-  the critic resumed bit-exactly from the dist checkpoint and resharded TP=2 -> PP=2 (issue 17 item 1). Any world
-  size: at one rank only TP=1 x DP=1.
+  the critic resumed bit-exactly from the dist checkpoint and resharded TP=2 -> PP=2 (issue 17 item 1); and every
+  other estimator, loss and aggregation mode (``PARITY_MODES``) at TP=1 x DP=2 only: step loss and gradients. Any
+  world size: at one rank only TP=1 x DP=1.
 """
 
 from __future__ import annotations
@@ -253,7 +255,33 @@ PARITY_ALGORITHMS = {
     # logprobs of the student.
     "distill": {"advantage": "distill"},
 }
+# Every other estimator, loss and aggregation mode at least once, in as few configurations as cover them (issue 17
+# item 1); run at TP=1 x DP=2 (each DP rank one group: the whitening and the global counts cross ranks) and at
+# TP=2 x PP=2 only, to keep the launch short.
+PARITY_MODES = {
+    # GSPO aggregates its term seq-mean-token-mean whatever the mode; the entropy bonus uses the mode as set.
+    "rloo": {"advantage": "rloo", "loss": "gspo", "loss_agg_mode": "seq-mean-token-mean", "entropy_coef": 0.05},
+    # Discounted returns (gamma < 1) whitened over the whole batch, across the DP ranks; no normaliser. With the
+    # ratio at 1 the whitened advantages sum to 0 and so does the policy term: the KL (k2, in the loss, as the
+    # README's REINFORCE++ recipe) makes the step's loss tell.
+    "reinforce_pp": {"advantage": "reinforce_pp", "gamma": 0.9, "loss": "policy_gradient",
+                     "loss_agg_mode": "token-sum", "kl_coef": 0.5, "kl_type": "mse"},
+    # Dr. GRPO with DAPO's clip-higher and soft overlong penalty (from 2 of the 16 new tokens on: every sample) and
+    # token-level TIS; two epochs, so the ratio moves off 1 (the clip is live) and the trainer recomputes the old
+    # logprobs before the update.
+    "dr_grpo": {"advantage": "dr_grpo", "loss": "ppo_clip", "loss_params": {"clip_low": 0.2, "clip_high": 0.28},
+                "loss_agg_mode": "seq-mean-token-sum-norm", "overlong_buffer": 14, "off_policy_correction": "tis",
+                "ppo_epochs": 2},
+    # REINFORCE++-baseline with the entropy bonus and MIS (tokens under the lower bound rejected).
+    "reinforce_pp_baseline": {"advantage": "reinforce_pp_baseline", "loss_agg_mode": "seq-mean-token-sum",
+                              "entropy_coef": 0.05, "off_policy_correction": "mis", "off_policy_lower": 0.15},
+    "sft": {"advantage": "none", "loss": "sft"},
+}
 CRITIC_LR = 1e-2  # as large as the policy's: the second step's critic differs visibly from the first's
+
+
+def _algorithm(name: str) -> dict[str, Any]:
+    return PARITY_ALGORITHMS.get(name) or PARITY_MODES[name]
 
 
 def _parity_job(algorithm: dict[str, Any], *, colocate: bool = False, options: dict[str, Any] | None = None,
@@ -318,11 +346,33 @@ def _second_step(trainer: Any, samples: list[Any], grads: Any, critic_grads: Any
     term, the value clipping and their gradients are live); the second step's figures and gradients."""
     trainer.freeze_reference()  # what the loop does when RL begins
     trainer.train_step(samples, 0)
+    losses = _record_losses(trainer.algorithm)
     m = trainer.train_step(samples, 1)
     kl = m.get("train/actor/kl_loss", m.get("train/reward/kl_penalty"))
+    last_epoch = losses[len(losses) - len(losses) // trainer.job.algorithm.ppo_epochs:]
     return {"loss": m["train/loss"], "kl": kl, "grad_norm": m["train/grad_norm"], "grads": grads(),
             "value_loss": m.get("train/critic/value_loss"), "critic_grad_norm": m.get("critic/grad_norm"),
-            "critic_grads": critic_grads() if trainer.critic is not None else None}
+            "critic_grads": critic_grads() if trainer.critic is not None else None,
+            "step_loss": sum(last_epoch), "metrics": {k: v for k, v in m.items() if k.startswith("train/")}}
+
+
+def _record_losses(algorithm: Any) -> list[float]:
+    """The policy losses the trainer backpropagates, one per micro-batch call (in the order of the calls).
+
+    Their sum over the micro-batches of one epoch and over the DP ranks, divided by the DP size, is the step's
+    loss on the whole batch whatever the split: each is normalised by the step's global counts (see
+    milehpc.algorithms.aggregation). That is the loss to compare at DP=2 (``train/loss`` weights each
+    micro-batch's by its token share, so it depends on the split)."""
+    calls: list[float] = []
+    loss = algorithm.loss
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        out = loss(*args, **kwargs)
+        calls.append(float(out[0].detach()))
+        return out
+
+    algorithm.loss = recorded
+    return calls
 
 
 _TORCH: dict[str, dict[str, Any]] = {}  # the torch trainer's figures per algorithm (every launch phase reuses them)
@@ -344,7 +394,7 @@ def _torch_run(name: str, teacher: str, model_path: str | None = None) -> dict[s
     from milehpc.train import torch_trainer
 
     with mock.patch.object(torch_trainer, "_dist", return_value=(0, 1)):
-        tt = torch_trainer.TorchTrainer(_parity_job(PARITY_ALGORITHMS[name], model_path=model_path), types.SimpleNamespace(
+        tt = torch_trainer.TorchTrainer(_parity_job(_algorithm(name), model_path=model_path), types.SimpleNamespace(
             pad_id=0, eos_id=2, vocab_size=V), options=_options(name, teacher))
         seen: dict[str, dict[str, Any]] = {"policy": {}, "critic": {}}
 
@@ -377,7 +427,7 @@ def _parity_layout(comm: Any, name: str, want: dict[str, Any], samples: list[Any
     from milehpc.train.megatron.trainer import MegatronTrainer
 
     dp = comm.Get_size() // (tp * pp)
-    tr = MegatronTrainer(_parity_job(PARITY_ALGORITHMS[name], tp=tp, pp=pp, dp=dp, colocate=colocate,
+    tr = MegatronTrainer(_parity_job(_algorithm(name), tp=tp, pp=pp, dp=dp, colocate=colocate,
                                      options=_options(name, teacher), model_path=model_path), pad_id=0,
                          vocab_size=V)
     frozen = tr.ref if tr.ref is not None else tr.teacher
@@ -398,6 +448,9 @@ def _parity_layout(comm: Any, name: str, want: dict[str, Any], samples: list[Any
     if want["kl"] is not None:
         got["kl_diff"] = abs(run["kl"] - want["kl"])
     got["grads_maxdiff"] = _maxdiff(run["grads"], want["grads"])  # every stage's, merged
+    # The step's loss on the whole batch: every DP rank's last stage's share (once per TP group), over DP.
+    shares = comm.allgather(run["step_loss"] if tr.tp_rank == 0 else 0.0)
+    got["step_loss_diff"] = abs(sum(shares) / tr.dp_size - want["step_loss"])
     if want["critic_grads"] is not None:
         got["value_loss_diff"] = abs(run["value_loss"] - want["value_loss"])
         got["critic_grad_norm_rel"] = abs(run["critic_grad_norm"] / want["critic_grad_norm"] - 1)
@@ -431,7 +484,22 @@ def check_parity(comm: Any, work: str) -> dict[str, Any]:
             if name == "gae" and layout == f"pp{world}":
                 got.update(_reshard_critic(comm, tr, work))
         out[name] = got
+    for name in PARITY_MODES:  # TP=1 x DP=world only (TP=2 x PP=2: check_parity_tp2pp2)
+        want = _torch_reference(comm, name, teacher)
+        _, figures = _parity_layout(comm, name, want, samples, teacher, tp=1, pp=1, colocate=False)
+        out[name] = {"torch_grad_norm": want["grad_norm"], **_scales(want), **_live(want),
+                     **{f"tp1_{k}": v for k, v in figures.items()}}
     return out
+
+
+def _live(want: dict[str, Any]) -> dict[str, Any]:
+    """The torch trainer's figures that show a mode's term is at work (so a parity cannot hold vacuously)."""
+    m = want["metrics"]
+    return {"torch_step_loss": want["step_loss"], "torch_entropy": m.get("train/actor/entropy"),
+            "torch_clip_frac": m.get("train/actor/clip_frac"),
+            "torch_off_policy_weight_mean": m.get("train/off_policy/weight_mean"),
+            "torch_off_policy_rejected": m.get("train/off_policy/capped_fraction"),
+            "torch_advantages_abs_mean": m.get("train/advantages/abs_mean")}
 
 
 def check_parity_tp2pp2(comm: Any, work: str) -> dict[str, Any]:
@@ -440,7 +508,7 @@ def check_parity_tp2pp2(comm: Any, work: str) -> dict[str, Any]:
     samples = _parity_samples()
     teacher = _teacher_folder(comm, work)
     out: dict[str, Any] = {}
-    for name in ("kl_loss", "gae", "distill"):
+    for name in ("kl_loss", "gae", "distill", *PARITY_MODES):
         want = _torch_reference(comm, name, teacher)
         _, out[name] = _parity_layout(comm, name, want, samples, teacher, tp=2, pp=2, colocate=False)
         out[name].update(_scales(want))

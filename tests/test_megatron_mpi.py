@@ -110,6 +110,8 @@ def test_megatron_matches_the_torch_trainer_with_a_kl_reference(checks: dict, kl
     for layout in ("tp2", "pp2"):
         assert got[f"{layout}_loss_diff"] < 1e-6, got
         assert got[f"{layout}_kl_diff"] < 1e-6 * got["torch_kl"] + 1e-7, got
+    # At DP=2 the step's loss (the backpropagated micro-batch losses over micro-batches and DP ranks) is comparable.
+    assert got["tp1_step_loss_diff"] < 1e-6, got
     assert got["tp1_frozen_moves"] == got["pp2_frozen_moves"] == []  # not colocated: the reference stays on the GPU
     assert got["tp2_frozen_moves"] == ["cuda:0", "cpu"] * 2  # colocated: in for each step's pass, out again
 
@@ -140,6 +142,7 @@ def test_megatron_matches_the_torch_trainer_with_a_teacher(checks: dict) -> None
         assert got[f"{layout}_frozen_trainable"] == 0
     for layout in ("tp2", "pp2"):
         assert got[f"{layout}_loss_diff"] < 1e-6, got
+    assert got["tp1_step_loss_diff"] < 1e-6, got
     assert got["tp1_frozen_moves"] == got["pp2_frozen_moves"] == []
     assert got["tp2_frozen_moves"] == ["cuda:0", "cpu"] * 2
 
@@ -147,7 +150,8 @@ def test_megatron_matches_the_torch_trainer_with_a_teacher(checks: dict) -> None
 def test_megatron_matches_the_torch_trainer_at_tp2_pp2(checks: dict) -> None:
     """Issue 17 item 1 on 4 ranks: TP=2 x PP=2 with the KL reference, the critic and the teacher: the same loss
     (KL, value loss) and gradients as the torch trainer's."""
-    for name, got in checks["parity4"].items():
+    for name in ("kl_loss", "gae", "distill", "family"):  # the others: ..._on_every_estimator_and_loss
+        got = checks["parity4"][name]
         assert got["layout"] == [2, 2, 1]  # TP, PP, DP
         assert got["loss_diff"] < 1e-6 and got["grad_norm_rel"] < 1e-5, (name, got)
         assert got["grads_maxdiff"] < 3e-5 * got["grads_max"], (name, got)
@@ -157,10 +161,62 @@ def test_megatron_matches_the_torch_trainer_at_tp2_pp2(checks: dict) -> None:
     gae = checks["parity4"]["gae"]
     assert gae["value_loss_diff"] < 1e-6 and gae["critic_grad_norm_rel"] < 1e-5, gae
     assert gae["critic_grads_maxdiff"] < 1e-5 * gae["critic_grads_max"], gae
-    assert sorted(checks["parity4"]) == ["distill", "family", "gae", "kl_loss"]
+    assert sorted(checks["parity4"]) == sorted(["distill", "family", "gae", "kl_loss", *LIVE])
     # A Qwen3 folder with Llama 3.x RoPE scaling (tests/model_family_checks.py has every family at TP=1).
     family = checks["parity4"]["family"]
     assert (family["model_type"], family["qk_norm"], family["rope_llama3"]) == ("qwen3", True, True)
+
+
+def test_the_parity_covers_every_estimator_loss_and_aggregation_mode() -> None:
+    """Issue 17 item 1: every registered advantage estimator and policy loss, every aggregation mode, clip-higher,
+    TIS and MIS and the entropy bonus are in some parity configuration (tests/megatron_checks.py)."""
+    from megatron_checks import PARITY_ALGORITHMS, PARITY_MODES
+
+    from milehpc import plugins
+    from milehpc.algorithms.aggregation import MODES
+
+    configs = [*PARITY_ALGORITHMS.values(), *PARITY_MODES.values()]
+    assert {c.get("advantage", "grpo") for c in configs} == set(plugins.registry("advantage"))
+    assert {c.get("loss", "ppo_clip") for c in configs} == set(plugins.registry("loss"))
+    assert {c.get("loss_agg_mode", "token-mean") for c in configs} == set(MODES)
+    assert {c.get("off_policy_correction") for c in configs} >= {"tis", "mis"}
+    assert any(c.get("loss_params", {}).get("clip_high", 0.2) > c.get("loss_params", {}).get("clip_low", 0.2)
+               for c in configs)
+    assert any(c.get("entropy_coef") for c in configs) and any(c.get("gamma", 1.0) < 1 for c in configs)
+
+
+# What shows each configuration's own term at work in the torch trainer's second step (no vacuous parity).
+LIVE = {
+    "rloo": lambda g: g["torch_entropy"] > 1 and g["torch_advantages_abs_mean"] > 0.1,
+    "reinforce_pp": lambda g: g["torch_kl"] > 0.05 and g["torch_advantages_abs_mean"] > 0.1,
+    "dr_grpo": lambda g: g["torch_clip_frac"] > 0.05 and 0 < g["torch_off_policy_weight_mean"] < 0.9,
+    "reinforce_pp_baseline": lambda g: 0.05 < g["torch_off_policy_rejected"] < 0.95 and g["torch_entropy"] > 1,
+    "sft": lambda g: g["torch_step_loss"] > 1,
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIVE))
+def test_megatron_matches_the_torch_trainer_on_every_estimator_and_loss(checks: dict, name: str) -> None:
+    """Issue 17 item 1: the second step of each configuration (megatron_checks.PARITY_MODES: RLOO + GSPO,
+    REINFORCE++ (gamma < 1, whitened over both DP ranks) + policy gradient + token-sum + k2 KL, Dr. GRPO +
+    clip-higher + overlong penalty + TIS over two epochs, REINFORCE++-baseline + entropy + MIS, SFT) through the
+    Megatron trainer at TP=1 x DP=2 (each DP rank one group) and TP=2 x PP=2 vs the torch trainer on one rank: the
+    same step loss (the backpropagated micro-batch losses, summed over micro-batches and DP ranks) and gradients;
+    at DP=1 the same reported loss too."""
+    got, four = checks["parity"][name], checks["parity4"][name]
+    assert LIVE[name](got), got
+    # Two epochs: the compared gradients come after four Adam updates, each of which turns fp32 noise in the
+    # smallest gradients into whole +-lr steps; the other configurations take two.
+    noise = 10.0 if name == "dr_grpo" else 1.0
+    loss_tol = 1e-6 * (1.0 + abs(got["torch_step_loss"]))
+    assert got["tp1_layout"] == [1, 1, 2] and four["layout"] == [2, 2, 1]
+    for layout, figures in (("tp1_", got), ("", four)):
+        assert figures[f"{layout}step_loss_diff"] < loss_tol, (layout, figures)
+        assert figures[f"{layout}grad_norm_rel"] < 1e-5 * noise, (layout, figures)
+        assert figures[f"{layout}grads_maxdiff"] < 1e-5 * noise * figures["grads_max"], (layout, figures)
+    assert four["loss_diff"] < loss_tol, four  # DP=1: train/loss is comparable (epochs averaged alike)
+    if name == "reinforce_pp":
+        assert four["kl_diff"] < 1e-6 * got["torch_kl"], four
 
 
 def test_megatron_critic_resumes_bit_exactly_and_reshards(checks: dict) -> None:

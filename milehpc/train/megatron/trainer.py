@@ -510,6 +510,8 @@ class MegatronTrainer:
         mbs = self._micro_batches(batch)
         n_mb = len(mbs)
         version = self.version
+        epochs = self.job.algorithm.ppo_epochs
+        first_epoch = True
 
         def loss_func(mb: Batch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
             logp, ent = self._logprobs_of(mb, logits, entropy=True)
@@ -518,7 +520,8 @@ class MegatronTrainer:
             loss, metrics = self.algorithm.loss(logp, mb, entropy=ent, global_tokens=tokens, global_seqs=seqs,
                                                 dp_size=self.dp_size)
             extra = {"tokens": float(mb.num_tokens)}
-            if mb.rollout_logprobs is not None and mb.samples is not None:
+            # The train-inference mismatch: of the first epoch (later ones see updated weights), as the torch trainer.
+            if first_epoch and mb.rollout_logprobs is not None and mb.samples is not None:
                 fresh = torch.tensor([s is not None and s.weight_version == version for s in mb.samples],
                                      dtype=torch.bool, device=logp.device)
                 m = mb.response_mask.bool() & fresh[:, None]
@@ -530,22 +533,23 @@ class MegatronTrainer:
 
         self.ddp.train()
         grad_norm = critic_norm = 0.0
-        outs: list[Any] = []
-        critic_outs: list[Any] = []
-        for _epoch in range(self.job.algorithm.ppo_epochs):
+        outs: list[Any] = []  # every epoch's (policy and critic): the metrics are their means over the epochs
+        for _epoch in range(epochs):
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            outs = self.run_schedule(mbs, loss_func, forward_only=False)
+            outs += self.run_schedule(mbs, loss_func, forward_only=False)
+            first_epoch = False
             ok, norm, _ = self.optimizer.step()
             if not ok:
                 raise RuntimeError("megatron trainer: optimizer step skipped (non-finite gradients)")
             grad_norm = float(norm or 0.0)
             if self.critic is not None:
                 critic_norm, critic_outs = self.critic.update(mbs, tokens=tokens, seqs=seqs)
+                outs += critic_outs
         self.version += 1
         self.steps += 1
         # The critic's outputs add its metrics and its value term to "loss" (the torch trainer's combined loss).
-        summary = self._from_last_stage(self._summarise(outs + critic_outs, tokens))
+        summary = self._from_last_stage(self._summarise(outs, tokens, epochs))
         keys = sorted(summary["sums"])
         reduced = self._dp_sum([summary["sums"][k] for k in keys] + [summary["diff_sum"], summary["diff_n"]])
         out = {f"train/{k}": v / self.dp_size for k, v in zip(keys, reduced, strict=False)}
@@ -565,12 +569,13 @@ class MegatronTrainer:
         out["time/train_compute"] = time.perf_counter() - t0
         return out
 
-    def _summarise(self, outs: list[Any], tokens: float) -> dict[str, Any]:
-        """Token-weighted sums of the loss metrics of this rank's micro-batches (last stage; else empty)."""
+    def _summarise(self, outs: list[Any], tokens: float, epochs: int = 1) -> dict[str, Any]:
+        """Token-weighted sums of the loss metrics of this rank's micro-batches over ``epochs`` epochs, averaged
+        over the epochs like the torch trainer's (last stage; else empty)."""
         sums: dict[str, float] = {}
         diff = {"diff_max": 0.0, "diff_sum": 0.0, "diff_n": 0.0}
         for o in outs:
-            w = o["tokens"] / max(tokens / self.dp_size, 1.0)
+            w = o["tokens"] / max(tokens / self.dp_size, 1.0) / epochs
             for k, v in o["metrics"].items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w
             diff["diff_max"] = max(diff["diff_max"], o.get("diff_max", 0.0))
