@@ -251,6 +251,21 @@ class Algorithm:
         return self.spec.value_coef * v_loss, metrics
 
 
+# Metrics that are a micro-batch's share of the step's loss (divided by the whole step's normaliser already): the
+# step's value is their sum over micro-batches. Every other metric is a micro-batch mean, averaged by token share.
+LOSS_SHARES = frozenset({"loss", "actor/pg_loss", "actor/kl_loss", "critic/value_loss"})
+
+
+def add_micro_batch_metrics(sums: dict[str, float], metrics: dict[str, float], token_share: float,
+                            epochs: int = 1) -> None:
+    """Accumulate one micro-batch's :meth:`Algorithm.loss` metrics into ``sums``: over a rank's micro-batches (and
+    ``epochs`` epochs, averaged) they add up to the rank's part of the step; their sum over DP ranks divided by the
+    DP size is the step's. ``token_share``: the micro-batch's tokens / the mean tokens per DP rank."""
+    for k, v in metrics.items():
+        w = 1.0 if k in LOSS_SHARES else token_share
+        sums[k] = sums.get(k, 0.0) + float(v) * w / epochs
+
+
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
     """DAPO's soft overlong punishment (https://arxiv.org/abs/2503.14476, verl's ``DAPORewardManager``): 0 up to
     ``max_len - buffer`` tokens, then ``-(L - (max_len - buffer)) / buffer * factor``, so ``-factor`` at

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from milehpc.algorithms.api import add_micro_batch_metrics
 from milehpc.builtin.trainers import TORCH_TRAINER_OPTIONS
 from milehpc.faults import maybe_fail
 from milehpc.samples import Sample
@@ -299,9 +300,8 @@ class TorchTrainer:
                     (loss * scale).backward()
                 if scale == 0.0:
                     continue
-                w = mb.num_tokens / max(tokens / self.dp_size, 1.0)  # token share of this rank's batch
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * w / self.job.algorithm.ppo_epochs
+                add_micro_batch_metrics(sums, metrics, mb.num_tokens / max(tokens / self.dp_size, 1.0),
+                                        self.job.algorithm.ppo_epochs)
                 if epoch == 0 and mb.rollout_logprobs is not None:
                     # Train–inference mismatch on tokens sampled by the very weights we hold now.
                     fresh = torch.tensor([s.weight_version == self.version for s in mb.samples],

@@ -570,14 +570,14 @@ class MegatronTrainer:
         return out
 
     def _summarise(self, outs: list[Any], tokens: float, epochs: int = 1) -> dict[str, Any]:
-        """Token-weighted sums of the loss metrics of this rank's micro-batches over ``epochs`` epochs, averaged
-        over the epochs like the torch trainer's (last stage; else empty)."""
+        """The loss metrics of this rank's micro-batches over ``epochs`` epochs, summed like the torch trainer's
+        (``add_micro_batch_metrics``; last stage, else empty)."""
+        from milehpc.algorithms.api import add_micro_batch_metrics
+
         sums: dict[str, float] = {}
         diff = {"diff_max": 0.0, "diff_sum": 0.0, "diff_n": 0.0}
         for o in outs:
-            w = o["tokens"] / max(tokens / self.dp_size, 1.0) / epochs
-            for k, v in o["metrics"].items():
-                sums[k] = sums.get(k, 0.0) + float(v) * w
+            add_micro_batch_metrics(sums, o["metrics"], o["tokens"] / max(tokens / self.dp_size, 1.0), epochs)
             diff["diff_max"] = max(diff["diff_max"], o.get("diff_max", 0.0))
             diff["diff_sum"] += o.get("diff_sum", 0.0)
             diff["diff_n"] += o.get("diff_n", 0.0)
