@@ -1,57 +1,44 @@
-"""Stand-in for SGLang's side of weight updates (sglang cannot be installed here), written from its source:
+"""SGLang's side of weight updates in this process: the joining and receiving are sglang's own code
+(``init_custom_process_group``; ``WeightUpdater.receive_weights_from_distributed``, which with
+``load_format="flattened_bucket"`` takes one uint8 broadcast per bucket); the stand-in is only the engine around
+them (``Engine`` methods with SGLang's keyword names, python/sglang/srt/entrypoints/engine.py, answering
+``(success, message)`` like the scheduler does), so several "engines" fit in MPI ranks without a scheduler process
+each.
 
-* ``init_custom_process_group`` (sgl-project/sglang python/sglang/srt/utils/common.py): TCP ``rendezvous`` as rank
-  ``rank_offset + tp_rank``, ``store.set_timeout``, ``PrefixStore(group_name, store)``,
-  ``_new_process_group_helper(world, rank, [], Backend(backend), store, group_name=..., timeout=...)``,
-  ``_world.pg_group_ranks[pg] = {i: i}``;
-* ``ModelRunner.update_weights_from_distributed``: per name, ``torch.empty(shape, dtype=getattr(torch, dtype))`` and
-  a broadcast from rank 0 of the group, in the order of ``names``;
-* ``Engine`` methods with SGLang's keyword names (python/sglang/srt/entrypoints/engine.py), answering
-  ``(success, message)`` like the scheduler does.
-
-Used by tests/test_sglang_sync.py (2 processes) and tests/sglang_mpi_entries.py (under mpirun). Imported by the test
+Used by tests/sglang_mpi_entries.py (under mpirun, for tests/test_sglang_sync.py). Imported by the test
 processes only, with tests/ on PYTHONPATH.
 """
 
 from __future__ import annotations
 
-import inspect
 from datetime import timedelta
 from typing import Any
 
 
 def sglang_side_join(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                      backend: str, timeout: float = 60.0) -> Any:
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
+    """SGLang's own ``init_custom_process_group``, called as its ``WeightUpdater.init_weights_update_group`` does."""
+    from sglang.srt.utils.common import init_custom_process_group
 
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timedelta(seconds=timeout)))
-    store.set_timeout(timedelta(seconds=timeout))
-    store = PrefixStore(group_name, store)
-    params = inspect.signature(_new_process_group_helper).parameters
-    options = "backend_options" if "backend_options" in params else "pg_options"
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=timedelta(seconds=timeout), **{options: None})
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
+    return init_custom_process_group(backend=backend, init_method=f"tcp://{master_address}:{master_port}",
+                                     timeout=timedelta(seconds=timeout), world_size=world_size, rank=rank,
+                                     group_name=group_name)
 
 
-def sglang_side_receive(pg: Any, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
+def sglang_side_receive(pg: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                        load_format: str | None = None, group_name: str = "g") -> dict[str, Any]:
+    """SGLang's own receiver: ``WeightUpdater.receive_weights_from_distributed`` (one uint8 broadcast per bucket
+    with ``load_format="flattened_bucket"``), on a WeightUpdater that has only the update group."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    got = {}
-    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        t = torch.empty(shape, dtype=getattr(torch, dtype))
-        dist.broadcast(t, src=0, group=pg)
-        got[name] = t
-    return got
+    def unused(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the receive path must not touch the model")
+
+    updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+                            get_model=unused, update_model_fields=unused, recapture_cuda_graph=unused,
+                            get_model_runner=unused, _model_update_group={group_name: pg})
+    return dict(updater.receive_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
+                                                         group_name=group_name, load_format=load_format))
 
 
 class SchedulerStandInEngine:
@@ -80,7 +67,9 @@ class SchedulerStandInEngine:
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
                                         flush_cache=True, load_format=None):
-        self.weights.update(sglang_side_receive(self.groups[group_name], names, dtypes, shapes))
+        self.weights.update(sglang_side_receive(self.groups[group_name], names, dtypes, shapes, load_format))
+        if flush_cache:
+            self.flush_cache()
         return True, "Succeeded to update parameter online."
 
     def get_weights_by_name(self, name, truncate_size=100):

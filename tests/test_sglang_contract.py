@@ -148,8 +148,9 @@ def test_contract_get_weights_by_name_none_does_not_crash(engine):
 
 
 def test_contract_update_from_distributed_over_gloo(engine, model_dir):
-    """milehpc's trainer side (host_store + join_update_group, rank 0) broadcasts; the engine receives through
-    milehpc's begin_update / join_update_group / receive_bucket / finish_update."""
+    """milehpc's trainer side (host_store + join_update_group, rank 0) broadcasts each bucket as one flat uint8
+    tensor; the engine receives through milehpc's begin_update / join_update_group / receive_bucket (SGLang's
+    flattened_bucket load format, the radix cache flushed inside each request) / finish_update."""
     import torch
 
     from milehpc.comm.net import host_store
@@ -172,15 +173,16 @@ def test_contract_update_from_distributed_over_gloo(engine, model_dir):
     pg = pg_box["pg"]
     import torch.distributed as dist
 
-    for bucket in sm.buckets(named, 4096):
-        def send(bucket=bucket) -> None:
-            for _, t in bucket:
-                opts = dist.BroadcastOptions()
-                opts.rootRank, opts.rootTensor = 0, 0
-                pg.broadcast([t], opts).wait()
+    buckets = [sm.flatten_bucket(b) for b in sm.buckets(named, 4096)]
+    assert len(buckets) > 2
+    for flat, meta in buckets:  # what StageSender.send does: one flat uint8 broadcast per bucket
+        def send(flat=flat) -> None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, 0
+            pg.broadcast([flat], opts).wait()
         sender = threading.Thread(target=send)
         sender.start()
-        engine.receive_bucket(sm.weight_metadata(bucket), stage=0)
+        engine.receive_bucket(meta, stage=0)
         sender.join(60)
     engine.finish_update(4)
     assert engine.version == 4 and not engine._session_open
@@ -188,6 +190,39 @@ def test_contract_update_from_distributed_over_gloo(engine, model_dir):
     engine._call("destroy", engine._engine.destroy_weights_update_group, group_name=sm.group_name(0))
     engine.update_groups.clear()
     leave_update_group(pg)
+
+
+def test_contract_flattened_bucket_layout_is_sglangs():
+    """The trainer's flat bucket (milehpc, no sglang import) is byte for byte what SGLang's own FlattenedTensorBucket
+    builds, and SGLang's receiver (FlattenedTensorBucket.empty from the names/dtypes/shapes milehpc sends) accepts
+    its layout and cuts it back into the exact tensors. The mixed widths and odd sizes would leave a tensor at an
+    unaligned offset in the order given, which SGLang refuses."""
+    require_real_sglang()
+    import torch
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from milehpc.rollout import sglang_mapping as sm
+
+    g = torch.Generator().manual_seed(0)
+    named = [("a.norm", torch.randn(7, generator=g).to(torch.bfloat16)),
+             ("b.proj", torch.randn(3, 5, generator=g)),
+             ("c.mask", torch.rand(5, generator=g) > 0.5),
+             ("d.embed", torch.randn(4, 3, generator=g, dtype=torch.float64)[:, :2]),  # not contiguous
+             ("e.bias", torch.randn(3, generator=g).to(torch.float16)),
+             ("f.scalar", torch.tensor(2.5))]
+    with pytest.raises(ValueError, match="Unaligned"):
+        FlattenedTensorBucket.empty(*sm.weight_metadata(named).values(), "cpu")
+    flat, meta = sm.flatten_bucket(named)
+    assert flat.dtype == torch.uint8 and flat.dim() == 1
+    assert sorted(meta["names"]) == sorted(n for n, _ in named)
+    ordered = [(n, dict(named)[n]) for n in meta["names"]]
+    assert torch.equal(flat, FlattenedTensorBucket(named_tensors=ordered).get_flattened_tensor())
+    receiver = FlattenedTensorBucket.empty(meta["names"], meta["dtypes"], meta["shapes"], "cpu")
+    assert receiver.get_flattened_tensor().numel() == flat.numel()
+    receiver.get_flattened_tensor().copy_(flat)  # what the broadcast does
+    got = dict(receiver.reconstruct_tensors())
+    for name, t in named:
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
 
 
 def test_contract_release_resume_memory_in_miles_order(engine, model_dir):

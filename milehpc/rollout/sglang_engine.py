@@ -23,8 +23,8 @@ Weight sync (the trainer is the source):
   created SGLang's way (``Engine.init_weights_update_group``: TCP rendezvous at the stage leader, ``PrefixStore``
   named after the group; the trainer joins as rank 0 with :func:`milehpc.weights.sglang.join_update_group`).
   Per bucket, the metadata (HF names, dtype names, shapes) goes to the engine leaders over MPI first; the leaders
-  call ``update_weights_from_distributed(..., flush_cache=False)`` while the trainer broadcasts each tensor from
-  rank 0; after the last bucket the radix cache is flushed once. See :mod:`milehpc.weights.sglang`.
+  call ``update_weights_from_distributed(..., load_format="flattened_bucket", flush_cache=True)`` while the trainer
+  broadcasts the bucket as one flat uint8 tensor from rank 0. See :mod:`milehpc.weights.sglang`.
 * **colocated**: ``update_weights_from_tensor`` per bucket (CUDA IPC handles, no copy through NCCL), driven by
   :mod:`milehpc.runtime.offload` in Miles' order.
 
@@ -457,24 +457,29 @@ class SGLangEngine:
         self.update_groups[kwargs["group_name"]] = kwargs
 
     def receive_bucket(self, meta: dict[str, list], *, stage: int) -> None:
-        """Separate-ranks path: receive one bucket the trainer broadcasts (``meta`` = names/dtypes/shapes), inside
-        the sync's weight-update session (opened at the first bucket, closed by :meth:`finish_update`)."""
+        """Separate-ranks path: receive one bucket the trainer broadcasts as one flat uint8 tensor (``meta`` =
+        names/dtypes/shapes in the buffer's order), inside the sync's weight-update session (opened at the first
+        bucket, closed by :meth:`finish_update`)."""
         if not self.is_leader:
             return
         with self._lock:
             try:
                 self._begin_session()
+                # One flat uint8 broadcast per bucket (sm.flatten_bucket). flush_cache=True flushes the radix cache
+                # inside the request, after the load and without the separate flush_cache's allocator clean-up
+                # (gc.collect() in the CPU scheduler: most of a sync's time); cheap enough to do every bucket.
                 self._request("update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
                               "update_weights_from_distributed", names=meta["names"], dtypes=meta["dtypes"],
-                              shapes=meta["shapes"], group_name=sm.group_name(stage), flush_cache=False,
-                              selector=self.selector)
+                              shapes=meta["shapes"], group_name=sm.group_name(stage),
+                              load_format=sm.FLATTENED_BUCKET, flush_cache=True, selector=self.selector)
             except BaseException:
                 self._abandon_session()
                 raise
         self._last_names.extend(meta["names"])
 
     def finish_update(self, version: int) -> None:
-        """After the last bucket of every stage: close the session, flush the radix cache once, take the version."""
+        """After the last bucket of every stage: close the session (each bucket flushed the radix cache), take the
+        version."""
         if not self.is_leader:
             return
         with self._lock:
@@ -483,7 +488,6 @@ class SGLangEngine:
             except BaseException:
                 self._abandon_session()
                 raise
-            self._call("flush_cache", self._engine.flush_cache)
             self.version = version
 
     def load_weights_from_disk(self, path: str, version: int) -> None:

@@ -27,8 +27,10 @@ facts written down in ``tests/test_sglang_mapping.py``. The facts come from thes
   THUDM/slime ``slime/rollout/sglang_rollout.py``/``slime/utils/types.py`` for routing replay, R3).
 * ``python/sglang/srt/constants.py`` — memory tags ``"weights"``, ``"kv_cache"``, ``"cuda_graph"``.
 * THUDM/slime ``slime/backends/sglang_utils/sglang_engine.py`` — dtypes travel as ``str(dtype)`` without the
-  ``torch.`` prefix (the scheduler does ``getattr(torch, dtype)``); the trainer broadcasts each tensor of a bucket
-  from rank 0 of the update group, in the order of ``names``.
+  ``torch.`` prefix (the scheduler does ``getattr(torch, dtype)``).
+* sglang 0.5.23 ``srt/model_executor/model_runner_components/weight_updater.py`` —
+  ``update_weights_from_distributed(..., load_format="flattened_bucket")`` receives one uint8 broadcast from rank 0
+  per call, laid out by ``FlattenedTensorBucket.empty(names, dtypes, shapes)`` (:func:`flatten_bucket`).
 """
 
 from __future__ import annotations
@@ -303,6 +305,29 @@ def weight_metadata(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list
         "dtypes": [dtype_name(t.dtype) for _, t in named],
         "shapes": [[int(d) for d in t.shape] for _, t in named],
     }
+
+
+# SGLang's ``load_format`` for one uint8 broadcast per bucket (``update_weights_from_distributed``): the receiver
+# allocates ``FlattenedTensorBucket.empty(names, dtypes, shapes)`` (python/sglang/srt/weight_sync/tensor_bucket.py),
+# takes one broadcast from rank 0 into it and cuts it back into tensors by byte offsets.
+FLATTENED_BUCKET = "flattened_bucket"
+
+
+def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, dict[str, list]]:
+    """One bucket as SGLang's flattened-bucket receiver lays it out: a 1-D uint8 tensor (on the tensors' device)
+    holding each tensor's bytes back to back, and the ``names`` / ``dtypes`` / ``shapes`` of the tensors in that
+    order (the only metadata the receiver gets; it derives the byte offsets from them).
+
+    The receiver refuses a tensor whose byte offset is not a multiple of its dtype's size (no padding is possible),
+    so the tensors go widest dtype first: every size is a multiple of the narrower (power-of-two) sizes after it.
+    Costs one copy of the bucket (as SGLang's own ``FlattenedTensorBucket``); saves a collective per tensor."""
+    import torch
+
+    if not named:
+        raise ValueError("cannot flatten an empty bucket")
+    ordered = sorted(named, key=lambda nt: -nt[1].element_size())  # stable: same-width tensors keep their order
+    flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in ordered])
+    return flat, weight_metadata(ordered)
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -12,9 +12,13 @@ all workers have arrived.
 One sync (:func:`sync_weights`), per pipeline stage, in stage order:
 
 1. stage leader → engine leaders (MPI, timed): ``("bucket", {names, dtypes, shapes})``;
-2. engine leaders call ``update_weights_from_distributed(names, dtypes, shapes, group, flush_cache=False)`` while
-   the stage leader broadcasts each tensor of the bucket from rank 0 (NCCL; each wait has the job's timeout);
-3. after the last bucket ``("done", version)``; after the last stage every engine flushes its radix cache once.
+2. engine leaders call ``update_weights_from_distributed(names, dtypes, shapes, group,
+   load_format="flattened_bucket", flush_cache=True)`` while the stage leader broadcasts the whole bucket as one
+   flat uint8 tensor from rank 0 (:func:`milehpc.rollout.sglang_mapping.flatten_bucket`; NCCL, the wait has the
+   job's timeout). The flush inside the request resets the radix cache without the allocator clean-up of a
+   separate ``flush_cache`` call (a full ``gc.collect()`` in SGLang's CPU scheduler: 0.5-1 s, against ~0.03 s
+   for the rest of a sync of the CPU demo's model);
+3. after the last bucket ``("done", version)``; the engine closes its weight-update session.
 
 A restarted engine cannot rejoin a live NCCL group, so at the start of a sync the engine leaders report whether they
 need a group; if any does, every stage's group is rebuilt (old groups destroyed on both sides) before the bytes move.
@@ -84,33 +88,31 @@ class StageSender:
                                     backend=self.backend, timeout=self.comms.timeout)
 
     def send(self, named: Any, version: int, bucket_bytes: int) -> int:
-        """Broadcast ``named`` (HF names, this stage's full tensors on the device) bucket by bucket; returns bytes."""
-        import torch.distributed as dist
-
+        """Broadcast ``named`` (HF names, this stage's full tensors on the device) bucket by bucket, each bucket as one
+        flat uint8 tensor (:func:`sglang_mapping.flatten_bucket`: one collective per bucket, not one per tensor);
+        returns the bytes sent."""
         total = 0
         for bucket in sm.buckets(named, bucket_bytes):
-            self.comms.bcast(("bucket", sm.weight_metadata(bucket)), self.comms.rank, self.members,
+            flat, meta = sm.flatten_bucket(bucket)
+            self.comms.bcast(("bucket", meta), self.comms.rank, self.members,
                              what=f"weight bucket metadata (stage {self.stage})")
-            works = []
-            for _, tensor in bucket:
-                opts = dist.BroadcastOptions()
-                opts.rootRank, opts.rootTensor = 0, 0
-                works.append(self.pg.broadcast([tensor.contiguous()], opts))
-                total += tensor.numel() * tensor.element_size()
-            pending = list(works)
-
-            def done(pending: list = pending) -> bool:
-                pending[:] = [w for w in pending if not w.is_completed()]
-                return not pending
-
-            self.comms.poll(done, self.comms.timeout,
-                            lambda: f"weight broadcast to SGLang (stage {self.stage}) not complete after "
-                                    f"{self.comms.timeout:.0f} s", lambda: self.leaders)
-            for w in works:
-                w.wait()
+            self._broadcast(flat)
+            total += flat.numel()
         self.comms.bcast(("done", version), self.comms.rank, self.members,
                          what=f"end of weight sync (stage {self.stage})")
         return total
+
+    def _broadcast(self, flat: Any) -> None:
+        """One broadcast from rank 0 of the update group, polled so that a dead peer ends it within the timeout."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        work = self.pg.broadcast([flat], opts)
+        self.comms.poll(work.is_completed, self.comms.timeout,
+                        lambda: f"weight broadcast to SGLang (stage {self.stage}) not complete after "
+                                f"{self.comms.timeout:.0f} s", lambda: self.leaders)
+        work.wait()
 
 
 def engine_receive(comms: Comms, engine: Any, sources: list[int], leaders: list[int], version_hint: int | None = None

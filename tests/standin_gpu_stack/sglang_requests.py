@@ -38,7 +38,7 @@ class WeightUpdateRequests:
         if not self.session:
             return False, REFUSED.format(what="update_weights_from_distributed")
         return self.engine.update_weights_from_distributed(obj.names, obj.dtypes, obj.shapes, obj.group_name,
-                                                           flush_cache=obj.flush_cache)
+                                                           flush_cache=obj.flush_cache, load_format=obj.load_format)
 
 
 def attach(engine: Any, record: Callable[..., None] | None = None) -> None:

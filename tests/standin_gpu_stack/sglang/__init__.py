@@ -150,11 +150,18 @@ class Engine:
         import torch.distributed as dist
 
         record("update_weights_from_distributed", names=len(names), flush_cache=flush_cache)
-        got = []
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            t = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(t, src=0, group=self.groups[group_name])
-            got.append((name, t))
+        if load_format == "flattened_bucket":  # milehpc's format: one uint8 broadcast per bucket, SGLang's layout
+            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+            bucket = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+            dist.broadcast(bucket.get_flattened_tensor(), src=0, group=self.groups[group_name])
+            got = bucket.reconstruct_tensors()
+        else:
+            got = []
+            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                dist.broadcast(t, src=0, group=self.groups[group_name])
+                got.append((name, t))
         self.ref.update_weights(got, self.ref.version)
         return True, "Succeeded to update parameter online."
 
