@@ -5,8 +5,10 @@ as an HF folder with the toy tokenizer (``milehpc export``). From it, per seed: 
 then ``milehpc run --site local`` with ``model.path`` = that folder, for the sync and the one_step_off loops. Same
 task prompts (task:reverse), 16 prompts x 8 samples, temperature 1.0, 8 new tokens, lr 1e-4, ppo-clip,
 token-mean ("dapo" in TRL), no KL, milehpc's own toy_match reward; each run stops at a mean reward of 0.8 over the
-last 10 steps. Printed per tool/mode: steps to 0.8, RL wall seconds to 0.8, s/step, generated tokens/s (over the
-generation time), peak RSS of the process tree. Last line: one JSON object with
+last 10 steps. milehpc runs the demo's algorithm table as shipped, which includes its truncated importance weights
+(``off_policy_correction = "tis"``): the one-step-off loop trains on the previous weights' samples, and uncorrected
+that lag cost ~40% more steps (see the README's Benchmarks section). Printed per tool/mode: steps to 0.8, RL wall
+seconds to 0.8, s/step, generated tokens/s (over the generation time), peak RSS of the process tree. Last line: one JSON object with
 ``ratio`` = milehpc time-to-target (best loop) / TRL's (median over seeds) and the per-mode figures.
 
 TRL is a benchmark-only dependency (``pip install trl`` next to milehpc):

@@ -19,7 +19,7 @@ def _log(run_dir: Path, steps: range, value: float, *, resume_at: int | None = N
     if resume_at is not None:
         logger.continue_from(resume_at)
     for s in steps:
-        logger.log(s, {"rollout/reward_mean": value + s})
+        logger.log(s, {"rollout/reward_mean": value + s, "train/loss": -value - s})
     logger.close()
 
 
@@ -39,6 +39,9 @@ def test_a_resumed_run_rewrites_its_steps_in_jsonl_and_tensorboard(tmp_path: Pat
     events = acc.Scalars("rollout/reward_mean")
     assert [e.step for e in events] == list(range(8))
     assert [e.value for e in events] == [0, 1, 2, 103, 104, 105, 106, 107]
+    # every metric of a step is a scalar of its own (the logger writes them as one event per step)
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(s, -v) for s, v in
+                                                                      zip(range(8), [0, 1, 2, 103, 104, 105, 106, 107], strict=True)]
 
 
 def test_read_metrics_skips_a_torn_last_line(tmp_path: Path) -> None:
