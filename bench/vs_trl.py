@@ -11,7 +11,7 @@ that lag cost ~40% more steps (see the README's Benchmarks section). Printed per
 seconds to 0.8, s/step, generated tokens/s (over the generation time), peak RSS of the process tree. Last line: one JSON object with
 ``ratio`` = milehpc time-to-target (best loop) / TRL's (median over seeds) and the per-mode figures.
 
-TRL is a benchmark-only dependency (``pip install trl`` next to milehpc):
+TRL is a benchmark-only dependency (``pip install -e '.[bench]'``, trl==1.16.0, next to milehpc):
 
     .venv/bin/python bench/vs_trl.py [--seeds 3] [--max-steps 1500] [--repo .]
 """
@@ -246,7 +246,7 @@ def main() -> None:
     try:
         import trl  # noqa: F401  (benchmark-only: never a milehpc dependency)
     except ImportError:
-        print("vs_trl: needs TRL (pip install trl, e.g. trl==1.16.0), which milehpc does not depend on",
+        print("vs_trl: needs TRL (pip install -e '.[bench]': trl==1.16.0), which milehpc does not depend on",
               file=sys.stderr)
         sys.exit(2)
     repo = find_repo(args.repo)
