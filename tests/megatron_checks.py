@@ -361,8 +361,8 @@ def _record_losses(algorithm: Any) -> list[float]:
 
     Their sum over the micro-batches of one epoch and over the DP ranks, divided by the DP size, is the step's
     loss on the whole batch whatever the split: each is normalised by the step's global counts (see
-    milehpc.algorithms.aggregation). That is the loss to compare at DP=2 (``train/loss`` weights each
-    micro-batch's by its token share, so it depends on the split)."""
+    milehpc.algorithms.aggregation). The policy's loss alone, checked beside the reported ``train/loss`` (which
+    adds the same shares, and for a critic the value term)."""
     calls: list[float] = []
     loss = algorithm.loss
 
@@ -422,13 +422,15 @@ def _stage_exports(comm: Any, export: Any) -> dict[str, Any]:
 
 
 def _parity_layout(comm: Any, name: str, want: dict[str, Any], samples: list[Any], teacher: str, *, tp: int,
-                   pp: int, colocate: bool, model_path: str | None = None) -> tuple[Any, dict[str, Any]]:
+                   pp: int, colocate: bool, model_path: str | None = None, offload_frozen: bool = False
+                   ) -> tuple[Any, dict[str, Any]]:
     """The Megatron trainer at one layout through the same two steps; its figures against the torch trainer's."""
     from milehpc.train.megatron.trainer import MegatronTrainer
 
     dp = comm.Get_size() // (tp * pp)
+    options = {**_options(name, teacher), **({"offload_frozen": True} if offload_frozen else {})}
     tr = MegatronTrainer(_parity_job(_algorithm(name), tp=tp, pp=pp, dp=dp, colocate=colocate,
-                                     options=_options(name, teacher), model_path=model_path), pad_id=0,
+                                     options=options, model_path=model_path), pad_id=0,
                          vocab_size=V)
     frozen = tr.ref if tr.ref is not None else tr.teacher
     moves: list[str] = []
@@ -473,7 +475,9 @@ def check_parity(comm: Any, work: str) -> dict[str, Any]:
                                  if world > 1 else {"tp1": (1, 1)}).items():
             # Colocated (TP=world): the frozen model waits in CPU memory between uses (its moves are recorded).
             tr, figures = _parity_layout(comm, name, want, samples, teacher, tp=tp, pp=pp,
-                                         colocate=layout == f"tp{world}")
+                                         colocate=layout == f"tp{world}",
+                                         # not colocated, asked to offload: the teacher waits in CPU memory too
+                                         offload_frozen=name == "distill" and layout == f"pp{world}")
             got.update({f"{layout}_{k}": v for k, v in figures.items()})
             mine = [s for s in samples if s.group % tr.dp_size == tr.dp_rank]
             # Before the next layout re-carves the groups:

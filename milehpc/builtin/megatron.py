@@ -24,6 +24,8 @@ class MegatronOptions:
         None, help="MoE token dispatcher; unset = alltoall on GPUs, allgather on the CPU")
     critic_lr: float = opt(1e-4, min=0.0, help="learning rate of the critic (GAE)")
     teacher_path: str = opt("", help="on-policy distillation: the teacher's local HF checkpoint folder")
+    offload_frozen: bool = opt(False, help="keep the KL reference and the teacher in CPU memory between uses on a GPU "
+                                           "(always so with resources.colocate)")
 
 
 @dataclass

@@ -466,12 +466,14 @@ class SGLangEngine:
             try:
                 self._begin_session()
                 # One flat uint8 broadcast per bucket (sm.flatten_bucket). flush_cache=True flushes the radix cache
-                # inside the request, after the load and without the separate flush_cache's allocator clean-up
-                # (gc.collect() in the CPU scheduler: most of a sync's time); cheap enough to do every bucket.
+                # inside the request, after the load. On a GPU torch_empty_cache returns the received buffer to the
+                # device (what the separate flush_cache call did); on the CPU that clean-up is a full gc.collect()
+                # in the scheduler, most of a sync's time, so it is left out there.
                 self._request("update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
                               "update_weights_from_distributed", names=meta["names"], dtypes=meta["dtypes"],
                               shapes=meta["shapes"], group_name=sm.group_name(stage),
-                              load_format=sm.FLATTENED_BUCKET, flush_cache=True, selector=self.selector)
+                              load_format=sm.FLATTENED_BUCKET, flush_cache=True,
+                              torch_empty_cache=self.server_args.get("device") != "cpu", selector=self.selector)
             except BaseException:
                 self._abandon_session()
                 raise

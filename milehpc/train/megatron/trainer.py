@@ -190,8 +190,9 @@ class MegatronTrainer:
             from milehpc.train.megatron import teacher
 
             self.teacher, self.teacher_vocab = teacher.build(self)
-        # Colocated on a GPU: the frozen models (reference, teacher) wait in CPU memory between uses.
-        self.ref_offload = bool(job.resources.colocate) and self.device.type == "cuda"
+        # Colocated (or asked to) on a GPU: the frozen models (reference, teacher) wait in CPU memory between uses.
+        self.ref_offload = ((bool(job.resources.colocate) or bool(job.trainer.options.get("offload_frozen", False)))
+                            and self.device.type == "cuda")
         if self.device.type == "cuda":
             self.module.cuda()
         for frozen in (self.ref, self.teacher):

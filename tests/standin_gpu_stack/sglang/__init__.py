@@ -1,10 +1,9 @@
 """CPU stand-in for ``sglang.Engine``: the methods milehpc calls, with SGLang's keyword arguments and output shapes,
 generating with milehpc's reference engine on the config in ``model_path``.
 
-Used by tests/test_sglang_gpu_check_script.py and tests/test_sglang_loop_standin.py. For the loop tests it also
-* joins SGLang's weight-update group and receives broadcasts the way SGLang's TP scheduler does
-  (``init_custom_process_group`` / ``ModelRunner.update_weights_from_distributed``; see
-  tests/sglang_standin_scheduler.py for the source facts), on gloo;
+Used by tests/test_sglang_gpu_check_script.py and the colocated loop tests (tests/test_sglang_loop_standin.py,
+tests/test_colocated_checkpoint_order.py: weights in place through ``update_weights_from_tensor``; the separate-ranks
+update group runs against the real engine in tests/test_sglang_contract.py and tests/test_sglang_loop_real.py). It also
 * starts one child process, as SGLang starts its scheduler, so milehpc's health check watches a real process;
   ``MILEHPC_STANDIN_CRASH="RANK:CALL:N"`` kills the first engine's child on that MPI rank after its N-th call of
   ``CALL`` (``generate`` or ``resume_memory_occupation``);
@@ -110,60 +109,6 @@ class Engine:
         record("update_weights_from_tensor", names=len(named_tensors), flush_cache=flush_cache)
         self.ref.update_weights(named_tensors, self.ref.version)
         return True, "Succeeded"
-
-    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
-                                  backend="nccl"):
-        import inspect
-        from datetime import timedelta
-
-        from torch.distributed.distributed_c10d import (
-            Backend,
-            PrefixStore,
-            _new_process_group_helper,
-            _world,
-            rendezvous,
-        )
-
-        record("init_weights_update_group", rank_offset=rank_offset, world_size=world_size, group_name=group_name)
-        timeout = timedelta(seconds=60)
-        store, rank, world = next(rendezvous(f"tcp://{master_address}:{master_port}", rank_offset, world_size,
-                                             timeout=timeout))
-        store.set_timeout(timeout)
-        params = inspect.signature(_new_process_group_helper).parameters
-        options = "backend_options" if "backend_options" in params else "pg_options"
-        pg, _ = _new_process_group_helper(world, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                          group_name=group_name, timeout=timeout, **{options: None})
-        _world.pg_group_ranks[pg] = {i: i for i in range(world)}
-        self.groups[group_name] = pg
-        return True, "Succeeded to initialize custom process group."
-
-    def destroy_weights_update_group(self, group_name):
-        import torch.distributed as dist
-
-        record("destroy_weights_update_group", group_name=group_name)
-        dist.destroy_process_group(self.groups.pop(group_name))
-        return True, "Succeeded to destroy custom process group."
-
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
-                                        flush_cache=True, load_format=None):
-        import torch
-        import torch.distributed as dist
-
-        record("update_weights_from_distributed", names=len(names), flush_cache=flush_cache)
-        if load_format == "flattened_bucket":  # milehpc's format: one uint8 broadcast per bucket, SGLang's layout
-            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-            bucket = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
-            dist.broadcast(bucket.get_flattened_tensor(), src=0, group=self.groups[group_name])
-            got = bucket.reconstruct_tensors()
-        else:
-            got = []
-            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-                t = torch.empty(shape, dtype=getattr(torch, dtype))
-                dist.broadcast(t, src=0, group=self.groups[group_name])
-                got.append((name, t))
-        self.ref.update_weights(got, self.ref.version)
-        return True, "Succeeded to update parameter online."
 
     def get_weights_by_name(self, name, truncate_size=100):
         return self.ref.model.state_dict()[name].flatten()[:truncate_size].float().tolist()
