@@ -320,13 +320,16 @@ def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Ten
 
     The receiver refuses a tensor whose byte offset is not a multiple of its dtype's size (no padding is possible),
     so the tensors go widest dtype first: every size is a multiple of the narrower (power-of-two) sizes after it.
-    Costs one copy of the bucket (as SGLang's own ``FlattenedTensorBucket``); saves a collective per tensor."""
+    Costs one copy of a bucket of several tensors (as SGLang's own ``FlattenedTensorBucket``); saves a collective
+    per tensor."""
     import torch
 
     if not named:
         raise ValueError("cannot flatten an empty bucket")
     ordered = sorted(named, key=lambda nt: -nt[1].element_size())  # stable: same-width tensors keep their order
-    flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in ordered])
+    views = [t.contiguous().view(-1).view(torch.uint8) for _, t in ordered]
+    # A bucket of one (an oversized embedding or lm_head) goes as its own bytes: no second copy of it on the device.
+    flat = views[0] if len(views) == 1 else torch.cat(views)
     return flat, weight_metadata(ordered)
 
 

@@ -86,7 +86,7 @@ class TensorBoardLogger:
         # One event per step holding every scalar (what add_scalar writes, one event each): ~8x less CPU on the
         # trainer leader, whose step time this is part of.
         values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in metrics.items()]
-        self.writer._get_file_writer().add_summary(Summary(value=values), step)
+        self.writer.file_writer.add_summary(Summary(value=values), step)
 
     def continue_from(self, step: int) -> None:
         self.writer.close()
