@@ -34,6 +34,8 @@ def sglang_side_receive(pg: Any, names: list[str], dtypes: list[str], shapes: li
     def unused(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the receive path must not touch the model")
 
+    # The group goes in through the private field: the public init_weights_update_group builds its own group and
+    # asserts a default process group exists, which these MPI ranks (their trainer-side group is the peer) lack.
     updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
                             get_model=unused, update_model_fields=unused, recapture_cuda_graph=unused,
                             get_model_runner=unused, _model_update_group={group_name: pg})
