@@ -60,3 +60,20 @@ def cli(tmp_path: Path, slurm: str):
     client = _harness().Cli(tmp_path)
     yield client
     client.cleanup()
+
+
+@pytest.fixture
+def ckpt_reference(tmp_path_factory: pytest.TempPathFactory):
+    """``ckpt_reference(case)``: the session's shared uninterrupted run of a checkpoint-test case
+    (tests/ckpt_reference.py); a run left going by a failed test is stopped and its case unlocked."""
+    from ckpt_reference import Reference
+
+    made: list[Reference] = []
+
+    def make(case: str) -> Reference:
+        made.append(Reference(tmp_path_factory, case))
+        return made[-1]
+
+    yield make
+    for ref in made:
+        ref.close()

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from ckpt_helpers import differences, final_state, job_toml, prepare_local, start_script
+from ckpt_helpers import differences, final_state, prepare_local, start_script
+from ckpt_reference import CASES, STEPS, case_toml
 
 from milehpc.checkpoint import resume_run_dir
 from milehpc.runtime import signals
@@ -28,33 +29,8 @@ from milehpc.runtime.metrics import read_metrics
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
-STEPS = 12
-
-CASES = {
-    # 1 trainer + 1 rollout rank, generating with the weights after step k-1
-    "separate-sync": {},
-    # the rollout rank generates batch k+1 while step k trains: a sent, untrained batch is in every checkpoint
-    "separate-one_step_off": {"run": 'loop = "one_step_off"'},
-    # weights reach the engine every 3rd step: between syncs the engine holds older weights than the trainer
-    "separate-one_step_off-interval3": {"run": 'loop = "one_step_off"\nupdate_weights_interval = 3'},
-    # up to 2 batches ahead, each with exactly the version 2 steps back (async_weights = "scheduled")
-    "separate-async": {"run": 'loop = "async"\nmax_staleness = 2\nasync_weights = "scheduled"',
-                       "rollout": "partial_rollout = false"},
-    # the same with partial rollouts (samples continued over batches keep their stale first chunk: corrected)
-    "separate-async-partial": {"run": 'loop = "async"\nmax_staleness = 2\nasync_weights = "scheduled"\n'
-                                      'stale_policy = "correct"',
-                               "algorithm": 'off_policy_correction = "tis"'},
-    # every rank both (DP=2 over gloo, one engine per rank): trainer and rollout state in each rank's shard
-    "colocated-sync": {"resources": "colocate = true", "trainer": "dp = 2", "rollout": "engines = 2"},
-}
-
-
 def _log(run_dir: Path) -> str:
     return (run_dir / "logs" / "job.out").read_text(errors="replace")
-
-
-def _toml(case: str, **kw: object) -> str:
-    return job_toml(STEPS, extra="[checkpoint]\nkeep = 2", add=CASES[case], **kw)
 
 
 def _interrupt(run_dir: Path, after: int, signum: int) -> int:
@@ -80,12 +56,11 @@ def _interrupt(run_dir: Path, after: int, signum: int) -> int:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_interrupted_mpi_job_resumes_bitwise_in_every_loop_mode(tmp_path: Path, case: str) -> None:
-    ref_dir = prepare_local(tmp_path, "uninterrupted", _toml(case))
-    run_dir = prepare_local(tmp_path, "interrupted", _toml(case, env={"MILEHPC_TEST_REWARD_DELAY": "0.1"}))
+def test_interrupted_mpi_job_resumes_bitwise_in_every_loop_mode(tmp_path: Path, ckpt_reference, case: str) -> None:
+    run_dir = prepare_local(tmp_path, "interrupted", case_toml(case, env={"MILEHPC_TEST_REWARD_DELAY": "0.1"}))
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["colocated"] == case.startswith("colocated")
-    ref = start_script(ref_dir)  # side by side with the interrupted run
+    ref = ckpt_reference(case).start()  # side by side with the interrupted run (unless the session has it already)
 
     rng = random.Random(f"{case}-{os.getpid()}")
     print(f"seed {case}-{os.getpid()}")
@@ -112,17 +87,16 @@ def test_interrupted_mpi_job_resumes_bitwise_in_every_loop_mode(tmp_path: Path, 
     for step in resumed_at:  # each run started from the previous one's checkpoint, not from step 0
         assert f"(step {step}, restart 0)" in log, (step, log[-3000:])
     assert log.count("milehpc: resumed from") == len(resumed_at)
-    assert ref.wait(timeout=400) == 0, _log(ref_dir)[-3000:]
 
     # one record per step, in order: a resumed run rewrote the records of the steps it ran again
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(STEPS))
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(STEPS))
 
-    different = differences(final_state(ref_dir, STEPS), final_state(run_dir, STEPS))
+    different = differences(ref.state(), final_state(run_dir, STEPS))
     assert not different, f"interrupted after steps {resumed_at}: {different[:5]}"
     if case == "separate-async":  # "scheduled": every batch came from exactly the version it requires
-        for d in (ref_dir, run_dir):
+        for d in (ref.run_dir, run_dir):
             assert _generated_with(d) == {b: {required_version(_job(d), b)} for b in range(STEPS)}
 
 
