@@ -5,10 +5,15 @@ as an HF folder with the toy tokenizer (``milehpc export``). From it, per seed: 
 then ``milehpc run --site local`` with ``model.path`` = that folder, for the sync and the one_step_off loops. Same
 task prompts (task:reverse), 16 prompts x 8 samples, temperature 1.0, 8 new tokens, lr 1e-4, ppo-clip,
 token-mean ("dapo" in TRL), no KL, milehpc's own toy_match reward; each run stops at a mean reward of 0.8 over the
-last 10 steps. milehpc runs the demo's algorithm table as shipped, which includes its truncated importance weights
+last 10 steps. Prompts: both tools walk milehpc's own prompt stream of the demo's task with ``data.seed`` = the
+seed, in the same order (TRL's dataset is that stream's first prompts, unshuffled: step k gets prompts 16k..16k+15
+in both). milehpc runs the demo's algorithm table as shipped, which includes its truncated importance weights
 (``off_policy_correction = "tis"``): the one-step-off loop trains on the previous weights' samples, and uncorrected
 that lag cost ~40% more steps (see the README's Benchmarks section). Printed per tool/mode: steps to 0.8, RL wall
-seconds to 0.8, s/step, generated tokens/s (over the generation time), peak RSS of the process tree. Last line: one JSON object with
+seconds to 0.8, s/step, generated tokens/s (over the generation time), peak RSS of the process tree (summed over
+its processes, so pages the ranks share, such as libtorch's code, count once per rank) and peak PSS (each shared
+page split among the processes that map it: the tree's memory counted once). The JSON has each process's own peak
+RSS too. Last line: one JSON object with
 ``ratio`` = milehpc time-to-target (best loop) / TRL's (median over seeds) and the per-mode figures.
 
 TRL is a benchmark-only dependency (``pip install -e '.[bench]'``, trl==1.16.0, next to milehpc):
@@ -48,12 +53,14 @@ def find_repo(arg: str | None) -> Path:
 
 
 class PeakRSS:
-    """Peak of the summed RSS of a process and all its descendants, sampled every 0.1 s."""
+    """Peaks of the summed RSS and of the summed PSS of a process and all its descendants, and of each process's
+    own RSS, sampled every 0.1 s."""
 
     def __init__(self, pid: int) -> None:
         import psutil
 
-        self.root, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
+        self.root, self.peak, self.peak_pss, self._stop = psutil.Process(pid), 0, 0, threading.Event()
+        self.each: dict[int, tuple[str, int]] = {}  # pid -> (what it runs, peak RSS)
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
 
@@ -65,20 +72,47 @@ class PeakRSS:
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
-            total = 0
+            total = pss = 0
+            cmds = {}
             for p in procs:
-                with contextlib.suppress(psutil.NoSuchProcess):  # a rank that ended between the two calls
-                    total += p.memory_info().rss
-            self.peak = max(self.peak, total)
+                with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                    cmds[p.pid] = p.cmdline()
+            for p in procs:
+                with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):  # a rank that ended meanwhile
+                    if p.pid in cmds and cmds[p.pid] == cmds.get(p.ppid()):
+                        # forked, not yet exec'd (a rank runs `uname -p` when h5py is first imported): its pages
+                        # are its parent's, RSS would count them twice
+                        continue
+                    mem = p.memory_full_info()  # reads smaps_rollup: RSS and PSS of one instant
+                    total, pss = total + mem.rss, pss + mem.pss
+                    name, peak = self.each.get(p.pid) or (_role(p), 0)
+                    self.each[p.pid] = (name, max(peak, mem.rss))
+            self.peak, self.peak_pss = max(self.peak, total), max(self.peak_pss, pss)
 
-    def stop(self) -> float:
+    def stop(self) -> dict[str, Any]:
+        """``{"rss": MiB, "pss": MiB, "each": {role: MiB}}``: the tree's peaks and each process's."""
         self._stop.set()
         self._thread.join()
-        return self.peak / 2**20
+        each: dict[str, float] = {}
+        for name, peak in self.each.values():
+            key = name if name not in each else f"{name}#{sum(k.startswith(name) for k in each)}"
+            each[key] = round(peak / 2**20, 1)
+        return {"rss": self.peak / 2**20, "pss": self.peak_pss / 2**20, "each": each}
 
 
-def run_tree(cmd: list[str], env: dict[str, str], log: Path) -> float:
-    """Run ``cmd`` to the end (output in ``log``); returns the peak RSS of its tree in MiB."""
+def _role(p: Any) -> str:
+    """What a process of the tree is: the CLI, the job script, the launcher, a rank, or the TRL worker."""
+    cmd = " ".join(p.cmdline())
+    for needle, role in (("--trl-worker", "trl"), ("prterun", "mpirun"), ("mpirun", "mpirun"), ("prted", "prted"),
+                         ("milehpc launch", "rank"), ("job.sbatch", "job-script"), ("milehpc run", "cli"),
+                         ("milehpc export", "cli")):
+        if cmd.startswith(needle) or f"/{needle}" in cmd or f" {needle}" in cmd:  # the program, not an argument
+            return role
+    return p.name()
+
+
+def run_tree(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
+    """Run ``cmd`` to the end (output in ``log``); returns its tree's memory peaks (:meth:`PeakRSS.stop`)."""
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         rss = PeakRSS(proc.pid)
@@ -93,8 +127,8 @@ def milehpc_bin() -> str:
     return str(Path(sys.executable).with_name("milehpc"))
 
 
-def run_demo(repo: Path, overrides: list[str], run_dir: Path, log: Path) -> float:
-    """``milehpc run examples/cpu-demo.toml --site local`` with ``--set`` overrides; returns its peak RSS (MiB)."""
+def run_demo(repo: Path, overrides: list[str], run_dir: Path, log: Path) -> dict[str, Any]:
+    """``milehpc run examples/cpu-demo.toml --site local`` with ``--set`` overrides; returns its memory peaks."""
     sets = [arg for item in overrides for arg in ("--set", item)]
     # Threads per rank are the site's choice (site-configs/local.toml): the benchmark runs what a user gets.
     env = {**os.environ, "MILEHPC_PROGRESS": "plain"}
@@ -122,9 +156,9 @@ def window_hit(rewards: list[float]) -> int | None:
 
 def run_milehpc(repo: Path, policy: Path, loop: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     name = f"milehpc-{loop}-s{seed}"
-    peak = run_demo(repo, [f"model.path={json.dumps(str(policy))}", "trainer.sft_warmup_steps=0",
-                           f"run.loop={json.dumps(loop)}", f"run.seed={seed}", f"run.steps={args.max_steps}",
-                           f"run.target_reward={TARGET}", "run.dump_rollouts=false"], work / name, work / f"{name}.log")
+    mem = run_demo(repo, [f"model.path={json.dumps(str(policy))}", "trainer.sft_warmup_steps=0",
+                          f"run.loop={json.dumps(loop)}", f"run.seed={seed}", f"data.seed={seed}", f"run.steps={args.max_steps}",
+                          f"run.target_reward={TARGET}", "run.dump_rollouts=false"], work / name, work / f"{name}.log")
     recs = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "rollout/reward_mean" in r]
     # RL starts where the first step started: its end time less its own duration.
@@ -137,7 +171,7 @@ def run_milehpc(repo: Path, policy: Path, loop: str, seed: int, args: argparse.N
     keys = {k for r in steady for k in r if k.startswith("time/") and k != "time/elapsed"}
     phases = {k: statistics.median(r[k] for r in steady if k in r) for k in sorted(keys)}
     return {"steps": hit, "seconds": end - start if hit else None, "s_per_step": (recs[-1]["time"] - start) / len(recs),
-            "tokens_per_s": gen_tokens / gen_s if gen_s else None, "peak_rss_mib": peak,
+            "tokens_per_s": gen_tokens / gen_s if gen_s else None, **memory(mem),
             "final_reward": recs[-1]["rollout/reward_mean"], "phases": phases}
 
 
@@ -145,9 +179,26 @@ def run_trl(policy: Path, seed: int, args: argparse.Namespace, work: Path) -> di
     out = work / f"trl-s{seed}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.trl_threads)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(out), "--policy", str(policy),
-           "--seed", str(seed), "--max-steps", str(args.max_steps), "--trl-threads", str(args.trl_threads)]
-    peak = run_tree(cmd, env, work / f"trl-s{seed}.log")
-    return {**json.loads(out.read_text()), "peak_rss_mib": peak}
+           "--seed", str(seed), "--max-steps", str(args.max_steps), "--trl-threads", str(args.trl_threads),
+           "--repo", str(find_repo(args.repo))]
+    mem = run_tree(cmd, env, work / f"trl-s{seed}.log")
+    return {**json.loads(out.read_text()), **memory(mem)}
+
+
+def memory(mem: dict[str, Any]) -> dict[str, Any]:
+    return {"peak_rss_mib": mem["rss"], "peak_pss_mib": mem["pss"], "rss_by_process_mib": mem["each"]}
+
+
+def demo_prompts(repo: Path, seed: int, steps: int) -> list[Any]:
+    """The prompts milehpc's rollout side draws in its first ``steps`` steps with ``data.seed`` = ``seed``, in
+    order: the demo's own prompt source (one engine: step k takes stream positions 16k..16k+15)."""
+    from milehpc.config.load import load_job
+    from milehpc.data.source import build_source
+    from milehpc.data.tokenizer import build_tokenizer
+
+    job = load_job(repo / "examples" / "cpu-demo.toml", [f"data.seed={seed}"])
+    source = build_source(job.data, build_tokenizer(job.model.tokenizer))
+    return source.take(job.rollout.prompts_per_step * steps)
 
 
 def trl_worker(args: argparse.Namespace) -> None:
@@ -157,12 +208,12 @@ def trl_worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from milehpc.data.tasks import reverse_task, toy_match
+    from milehpc.data.tasks import toy_match
 
     torch.set_num_threads(args.trl_threads)
-    n = 16 * args.max_steps
-    task = reverse_task(seed=0, min_len=4, max_len=5)
-    data = Dataset.from_list([{"prompt": ex["prompt"], "label": ex["label"]} for ex in (task[i] for i in range(n))])
+    # milehpc's prompt stream, unshuffled below: TRL's step k sees milehpc's step k prompts.
+    prompts = demo_prompts(find_repo(args.repo), args.seed, args.max_steps)
+    data = Dataset.from_list([{"prompt": p.text, "label": p.label} for p in prompts])
 
     def reward(prompts: list[str], completions: list[str], label: list[str], **_: Any) -> list[float]:
         # milehpc's own reward on a duck-typed sample (response_text, label).
@@ -191,7 +242,7 @@ def trl_worker(args: argparse.Namespace) -> None:
                      use_cpu=True, max_steps=args.max_steps, learning_rate=1e-4, lr_scheduler_type="constant",
                      warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, per_device_train_batch_size=128,
                      gradient_accumulation_steps=1, num_generations=8, max_completion_length=8, temperature=1.0,
-                     beta=0.0, epsilon=0.2, loss_type="dapo", num_iterations=1, logging_steps=1,
+                     beta=0.0, epsilon=0.2, loss_type="dapo", num_iterations=1, logging_steps=1, shuffle_dataset=False,
                      report_to="none", save_strategy="no", bf16=False, gradient_checkpointing=False, disable_tqdm=True, dataloader_num_workers=0)
     model = AutoModelForCausalLM.from_pretrained(str(args.policy), dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(args.policy))
@@ -266,21 +317,27 @@ def main() -> None:
                 r = runs[-1]
                 print(f"seed {seed} {mode:<22} steps {fmt(r['steps'], 'd')}  {fmt(r['seconds'], '.1f')}s  "
                       f"final reward {r['final_reward']:.2f}", flush=True)
-    print(f"\n{'tool/mode':<22}{'steps to 0.8':>13}{'RL s to 0.8':>13}{'s/step':>9}{'gen tok/s':>11}{'peak RSS':>11}")
+    print(f"\n{'tool/mode':<22}{'steps to 0.8':>13}{'RL s to 0.8':>13}{'s/step':>9}{'gen tok/s':>11}{'peak RSS':>11}"
+          f"{'peak PSS':>11}")
     summary: dict[str, dict[str, Any]] = {}
     for mode, runs in results.items():
         s = {k: median([r[k] for r in runs]) for k in ("steps", "seconds", "s_per_step", "tokens_per_s",
-                                                       "peak_rss_mib")}
+                                                       "peak_rss_mib", "peak_pss_mib")}
+        s["rss_by_process_mib"] = runs[-1]["rss_by_process_mib"]
         s["reached"] = sum(r["steps"] is not None for r in runs)
         if mode != "trl":
             s["phases_s"] = {k: round(v, 4) for k, v in runs[0]["phases"].items()}
         summary[mode] = {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}
         print(f"{mode:<22}{fmt(s['steps'], '.0f'):>13}{fmt(s['seconds'], '.1f'):>13}{fmt(s['s_per_step'], '.3f'):>9}"
-              f"{fmt(s['tokens_per_s'], '.0f'):>11}{fmt(s['peak_rss_mib'], '.0f'):>8}MiB")
+              f"{fmt(s['tokens_per_s'], '.0f'):>11}{fmt(s['peak_rss_mib'], '.0f'):>8}MiB{fmt(s['peak_pss_mib'], '.0f'):>8}MiB")
     trl_t = summary["trl"]["seconds"]
     best = {m: summary[m]["seconds"] for m in summary if m != "trl" and summary[m]["seconds"] is not None}
     ratio = {m: round(t / trl_t, 3) for m, t in best.items()} if trl_t else {}
+    # Memory: each mode's peak over TRL's (issue 15's goal: <= 1.5), summed RSS and PSS.
+    mem = {f"{m}/{k}": round(summary[m][f"peak_{k}_mib"] / summary["trl"][f"peak_{k}_mib"], 3)
+           for m in summary if m != "trl" for k in ("rss", "pss")}
     result = {"ratio": min(ratio.values()) if ratio else None, "ratio_by_mode": ratio, "goal": 0.8,
+              "memory_ratio_vs_trl": mem, "memory_goal": 1.5,
               "seeds": args.seeds, "target_reward": TARGET, "modes": summary}
     print(json.dumps(result))
 

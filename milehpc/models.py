@@ -4,6 +4,9 @@ from a local folder. No downloads."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +26,34 @@ def torch_dtype(name: str) -> torch.dtype:
             "float16": torch.float16}[name]
 
 
+# Packages transformers' modelling code imports at module level for what a text model never runs here: scipy and
+# torchvision (object-detection losses, image transforms) and, through torch._dynamo, triton (GPU kernels). On a CPU
+# rank they are ~115 MiB of RSS per process (bench/vs_trl.py's peak RSS), so they are hidden while it is imported.
+LEAN_HIDDEN = ("scipy", "torchvision", "triton")
+
+
+@contextmanager
+def lean_transformers_import() -> Iterator[None]:
+    """Import transformers' modelling code without :data:`LEAN_HIDDEN` on a torch without a GPU.
+
+    A ``None`` entry in ``sys.modules`` makes an import raise ImportError and ``importlib.util.find_spec`` return
+    None (Python's import system reference), which is how transformers and torch probe optional packages; the
+    entries go when the block ends, so a reward that imports scipy later still gets it. Packages already imported
+    stay; with a GPU nothing is hidden (torch.compile and SGLang need triton there, and memory is not short)."""
+    import torch
+
+    gpu = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+    hidden = [] if gpu else [name for name in LEAN_HIDDEN if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
+
+
 def _family(name: str) -> tuple[Any, Any, Any]:
     """(config class, causal LM class, token-classification class) of a family (milehpc.config.families).
     Importing the model module directly skips transformers' lazy top-level namespace, whose first touch scans
@@ -30,8 +61,9 @@ def _family(name: str) -> tuple[Any, Any, Any]:
     import importlib
 
     fam = FAMILIES[name]
-    mod = importlib.import_module(fam.module)
-    config_mod = importlib.import_module(fam.module.replace("modeling_", "configuration_"))
+    with lean_transformers_import():
+        mod = importlib.import_module(fam.module)
+        config_mod = importlib.import_module(fam.module.replace("modeling_", "configuration_"))
     return getattr(config_mod, fam.config_class), getattr(mod, fam.causal_lm), getattr(mod, fam.token_classification)
 
 
@@ -78,25 +110,8 @@ def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int 
 
     dtype = torch_dtype(spec.dtype)
     if spec.path:
-        import transformers as tf
-
-        path = Path(spec.path)
-        if not path.is_dir():
-            raise ConfigError(f"expected a local HF checkpoint folder, got {spec.path!r}", field="model.path")
-        # The ranks check the family too: the login node may not have seen the folder.
-        check_family(folder_model_type(path), field="model.path")
-        if value_head:
-            # The checkpoint has no value head: its fresh init is seeded, so every trainer rank (and both
-            # trainers) start the critic from the same head.
-            config = tf.AutoConfig.from_pretrained(path, local_files_only=True, num_labels=1)
-            config.classifier_dropout = 0.0  # as below (a keyword here would not reach the config)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                model = tf.AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype,
-                                                                          local_files_only=True)
-        else:
-            model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        return model
+        with lean_transformers_import():
+            return _load_model(spec, dtype, seed=seed, value_head=value_head)
     config = hf_config(spec, vocab_size, pad_id=pad_id, eos_id=eos_id)
     _, causal_lm, token_cls = _family(random_model_type(spec.arch, spec.num_experts))
     with torch.random.fork_rng(devices=[]):
@@ -110,6 +125,30 @@ def build_model(spec: ModelSpec, vocab_size: int, *, seed: int = 0, pad_id: int 
         else:
             model = causal_lm(config)
     return model.to(dtype)
+
+
+def _load_model(spec: ModelSpec, dtype: torch.dtype, *, seed: int, value_head: bool) -> torch.nn.Module:
+    """The model of the local HF folder ``spec.path`` (see :func:`build_model`)."""
+    import torch
+    import transformers as tf
+
+    path = Path(spec.path)
+    if not path.is_dir():
+        raise ConfigError(f"expected a local HF checkpoint folder, got {spec.path!r}", field="model.path")
+    # The ranks check the family too: the login node may not have seen the folder.
+    check_family(folder_model_type(path), field="model.path")
+    if value_head:
+        # The checkpoint has no value head: its fresh init is seeded, so every trainer rank (and both
+        # trainers) start the critic from the same head.
+        config = tf.AutoConfig.from_pretrained(path, local_files_only=True, num_labels=1)
+        config.classifier_dropout = 0.0  # as in build_model (a keyword here would not reach the config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = tf.AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                                      local_files_only=True)
+    else:
+        model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model
 
 
 def save_model(model: Any, path: str | Path) -> None:

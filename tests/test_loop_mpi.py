@@ -83,6 +83,17 @@ def test_sync_loop_logprobs_agree_right_after_each_sync(tmp_path) -> None:
         assert r["async/staleness_max"] == 0.0
         assert r["train/logprob_diff_max"] <= 1e-5, r["train/logprob_diff_max"]
     assert records[-1]["train/lr"] == 1e-3
+    # The per-phase profile of each step (bench/async_loop.py --profile): the trainer's compute split into its
+    # parts, the export inside the sync, and the rollout rank's wait for and loading of the weights of each batch
+    # after the first (the sync loop: it waits while the trainer trains).
+    for r in records:
+        parts = r["time/train_prepare"] + r["time/train_fwd_bwd"] + r["time/train_optim"]
+        assert min(r["time/train_prepare"], r["time/train_fwd_bwd"], r["time/train_optim"]) > 0, r
+        assert parts <= r["time/train_compute"] <= r["time/train"], r
+    assert [r["step"] for r in records if "time/sync_export" in r] == [0, 1, 2]
+    assert all(0 < r["time/sync_export"] <= r["time/sync"] for r in records[:3])
+    assert [r["step"] for r in records if "time/wait_weights" in r] == [1, 2, 3]
+    assert all(r["time/wait_weights"] > 0 and r["time/load_weights"] > 0 for r in records[1:])
 
 
 def test_one_step_off_and_async_weight_schedules(tmp_path) -> None:

@@ -277,6 +277,8 @@ class TorchTrainer:
         batch = self._batch(samples)
         self.model.train()
         adv_metrics = self._prepare(batch)
+        t_prepared = time.perf_counter()  # the batch, the no-grad logprob/value passes, the advantages
+        t_optim = 0.0
         tokens, seqs = _all_reduce([batch.num_tokens, batch.num_seqs])
         sums: dict[str, float] = {}
         diff_max, diff_sum, diff_n = 0.0, 0.0, 0.0
@@ -311,6 +313,7 @@ class TorchTrainer:
                         d = (logp.detach() - mb.rollout_logprobs).abs()[m]
                         diff_max = max(diff_max, float(d.max()))
                         diff_sum, diff_n = diff_sum + float(d.sum()), diff_n + float(d.numel())
+            t1 = time.perf_counter()
             grad_norm = self._clip(self.model)
             maybe_fail("optimizer", self.steps)
             self.optimizer.step()
@@ -319,6 +322,8 @@ class TorchTrainer:
                 critic_norm = self._clip(self.critic)
                 self.critic_opt.step()
                 self.critic_opt.zero_grad(set_to_none=True)
+            t_optim += time.perf_counter() - t1
+        t_updated = time.perf_counter()
         self.scheduler.step()
         self.version += 1
         self.steps += 1
@@ -337,6 +342,10 @@ class TorchTrainer:
             out["train/logprob_diff_mean"] = reduced[-2] / reduced[-1]
             out["train/logprob_diff_max"] = _all_reduce([diff_max], "max")[0]
         out["time/train_compute"] = time.perf_counter() - t0
+        # Where the step's compute went (bench/async_loop.py --profile): fwd_bwd includes the logprob diagnostics.
+        out["time/train_prepare"] = t_prepared - t0
+        out["time/train_fwd_bwd"] = t_updated - t_prepared - t_optim
+        out["time/train_optim"] = t_optim
         if self.lora is not None:  # bytes the last weight sync moved, and what a full-model sync would have
             out["sync/bytes"] = float(self.sync_bytes)
             out["sync/full_model_bytes"] = float(self.full_model_bytes)

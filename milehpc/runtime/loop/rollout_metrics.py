@@ -39,6 +39,9 @@ def rollout_metrics(stats: dict[str, float]) -> dict[str, float]:
     }
     out["rollout/gen_tokens"] = stats.get("gen_tokens", 0.0)
     out["rollout/engine_restarts"] = stats.get("engine_restarts", 0.0)
+    for key in ("wait_weights", "load_weights"):  # separate rollout ranks only
+        if f"time_{key}" in stats:
+            out[f"time/{key}"] = stats[f"time_{key}"]
     if stats.get("time_gen", 0.0) > 0:
         out["perf/gen_tokens_per_s"] = stats.get("gen_tokens", 0.0) / stats["time_gen"]
     return out

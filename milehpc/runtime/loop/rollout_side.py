@@ -67,6 +67,8 @@ class RolloutSide:
         self.quota = ro.prompts_per_step // num_engines + (engine_index < ro.prompts_per_step % num_engines)
         self._cursor = 0  # this engine's own prompt counter; global position = cursor * E + e
         self.outbox: list[SentBatch] = []  # sent to the trainer, not yet trained
+        # Seconds the driver spent on weights since the last batch (waiting, loading): reported with the next one.
+        self.weight_times: dict[str, float] = {}
 
     # -- prompts --
     def _take(self, k: int) -> list[Any]:
@@ -80,6 +82,8 @@ class RolloutSide:
         ro = self.job.rollout
         maybe_fail("generate", self.state.step)
         stats = new_stats()
+        stats.update(self.weight_times)
+        self.weight_times = {}
         need = self.quota
         groups, self.state.ready = self.state.ready[:need], self.state.ready[need:]
         rounds = 0
@@ -196,6 +200,11 @@ class RolloutSide:
         self.state.weight_version = version
 
     # -- the outbox (separate groups) --
+    def add_time(self, key: str, seconds: float) -> None:
+        """Count ``seconds`` of weight handling (``time_wait_weights``, ``time_load_weights``) into the next batch's
+        stats."""
+        self.weight_times[key] = self.weight_times.get(key, 0.0) + seconds
+
     def sent(self, batch: int, groups: list[Group], stats: dict[str, float]) -> None:
         """A batch went to the trainer: keep it until it is trained."""
         self.outbox.append(SentBatch(batch, groups, stats))

@@ -16,6 +16,7 @@ restart a dead engine in place and have it re-synced; while waiting they serve t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -107,6 +108,7 @@ class SeparateRollout:
     def take_notice(self, *, block: bool) -> bool:
         """Apply one notice if there is one (or wait for it). Returns False on stop."""
         what = "waiting for new weights from trainer rank 0"
+        t0 = time.perf_counter()
         if block and self.direct:  # serve other engines' re-syncs while waiting (the trainer may be in one)
             notice = self.wait_serving(lambda: self.box.poll(0, TAG_NOTICE), what)
         elif block:
@@ -116,6 +118,8 @@ class SeparateRollout:
             if got is None:
                 return True
             notice = got[0]
+        if block:
+            self.side.add_time("time_wait_weights", time.perf_counter() - t0)
         return self.apply_notice(notice)
 
     def apply_notice(self, notice: tuple[str, Any]) -> bool:
@@ -128,6 +132,7 @@ class SeparateRollout:
             return True
         version, eval_step = arg if kind == EVAL_WEIGHTS else (int(arg), None)
         self.side.trained(version)
+        t0 = time.perf_counter()
         if self.direct:  # the bytes go into the engine's schedulers through its own update group
             from milehpc.weights.sglang import sync_weights as direct_sync
 
@@ -140,6 +145,7 @@ class SeparateRollout:
             from milehpc.weights.sync import sync_weights
 
             sync_weights(self.comms, version, engine=self.side)
+        self.side.add_time("time_load_weights", time.perf_counter() - t0)
         if eval_step is not None and self.evals is not None:  # engine leaders: evaluate these weights
             part = self.evals.share(self.engine, self.side.state.weight_version, engine_index=self.side.e,
                                     num_engines=self.plan.engines)

@@ -80,6 +80,7 @@ class SeparateTrainer:
                 evaluate = eval_due(job, step, last)  # the weights after the last step go out only for this
                 if evaluate or (not last and version in schedule.sync_versions(job)):
                     metrics["time/sync"] = self.push_weights(version, eval_step=step if evaluate else None)
+                    metrics["time/sync_export"] = self.export_s
                 metrics["time/step"] = time.perf_counter() - t0
                 if evaluate and self.leader:
                     metrics.update(self.collect_eval(step))
@@ -104,13 +105,16 @@ class SeparateTrainer:
             from milehpc.weights.sync import sync_weights
 
         t0 = time.perf_counter()
+        self.export_s = 0.0  # of which the trainer's export (names, gathers, conversions) before the send
         if self.leader:
             for r in self.rollout_ranks:
                 notice = (WEIGHTS, version) if eval_step is None else (EVAL_WEIGHTS, (version, eval_step))
                 self.box.send(notice, r, tag, f"weight notice to rank {r}")
         source = any(g.is_source for g in self.comms.sync_groups.values())
         if source or self.trainer.export_is_collective:
+            t1 = time.perf_counter()
             named = list(self.trainer.export_weights())
+            self.export_s = time.perf_counter() - t1
             if source:
                 sync_weights(self.comms, version, named_tensors=named)
         return time.perf_counter() - t0
