@@ -108,10 +108,10 @@ def main() -> int:
     from milehpc.config.precision import resolve_precision
     from milehpc.config.sglang_options import parse_options
     from milehpc.data.tokenizer import build_tokenizer
-    from milehpc.models import hf_config
+    from milehpc.models import causal_lm_class, hf_config
     from milehpc.rollout import sglang_mapping as sm
     from milehpc.rollout.engine import SamplingParams
-    from milehpc.rollout.sglang_engine import SGLangEngine
+    from milehpc.rollout.sglang_engine import CPU_SERVER_ARGS, SGLangEngine, cpu_colocated_args
     from milehpc.runtime.offload import ColocatedStep, gpu_used_bytes, torch_memory_saver_backend
     from milehpc.train.torch_trainer import TorchTrainer
 
@@ -130,6 +130,7 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix="milehpc-gpu-check-"))
     cfg = hf_config(job.model, tok.vocab_size, pad_id=tok.pad_id, eos_id=tok.eos_id)
     cfg.torch_dtype = "bfloat16"
+    cfg.architectures = [causal_lm_class(job.model).__name__]  # SGLang picks its model class by this name
     (folder / "config.json").write_text(cfg.to_json_string())
     opts = parse_options(job.rollout.options)
     layout = sm.EngineLayout(engine=0, engine_rank=0, gpus_per_engine=1, dist_init_addr=None, port=31000)
@@ -138,6 +139,8 @@ def main() -> int:
     server_args["load_format"] = "dummy"
     if args.disable_cuda_graph:
         server_args["disable_cuda_graph"] = True
+    if device.type == "cpu":  # the script's logic against the real engine on a CPU: memory saving off, CPU settings
+        server_args = cpu_colocated_args({**server_args, **CPU_SERVER_ARGS}, opts)
     out["server_args"] = {k: v for k, v in server_args.items() if isinstance(v, str | int | float | bool)}
     saver = torch_memory_saver_backend("torch")
     t0 = time.perf_counter()

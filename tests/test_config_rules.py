@@ -99,12 +99,12 @@ CASES: dict[str, tuple[dict, dict, str]] = {
         {"rollout": {"engine": "sglang", "options": {"return_routed_experts": True}}},
         {"rollout": {"engine": "sglang", "options": {"return_routed_experts": True}}, "model": {"num_experts": 4}},
         "rollout.options.return_routed_experts"),
-    "lora_trains_with_the_torch_trainer": (
-        {"trainer": {"backend": "megatron", "lora": {"rank": 8}}},
-        {"trainer": {"backend": "torch", "lora": {"rank": 8}}}, "trainer.backend"),
-    "lora_rolls_out_on_the_reference_engine": (
-        {"rollout": {"engine": "sglang"}, "trainer": {"lora": {"rank": 8}}},
-        {"rollout": {"engine": "reference"}, "trainer": {"lora": {"rank": 8}}}, "rollout.engine"),
+    "lora_fits_the_trainer": (
+        {"trainer": {"backend": "megatron", "pp": 2, "lora": {"rank": 8}}},
+        {"trainer": {"backend": "megatron", "tp": 2, "lora": {"rank": 8}}}, "trainer.pp"),
+    "lora_rolls_out_where_adapters_load": (
+        {"rollout": {"engine": "sglang"}, "trainer": {"lora": {"rank": 8, "modules_to_save": ["lm_head"]}}},
+        {"rollout": {"engine": "sglang"}, "trainer": {"lora": {"rank": 8}}}, "trainer.lora.modules_to_save"),
     "evaluation_needs_validation_prompts": (
         {"run": {"eval_every": 5}, "data": {"val_source": "task:sort"}},
         {"run": {"eval_every": 5}, "data": {"val_source": "task:sort"}, "eval": {"max_prompts": 64}},

@@ -26,6 +26,7 @@ import inspect
 import json
 import os
 import struct
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -247,7 +248,10 @@ def _patches(device: FakeDeviceModule) -> list[tuple[Any, str, Any]]:
     real_get = torch.get_device_module
 
     def get_device_module(device_: Any = None) -> Any:
-        return device if device_ is None else real_get(device_)
+        # The fake for the package's own call only: SGLang's scheduler imports the package too, and its
+        # ``torch.get_device_module().synchronize()`` must reach the real (CPU) module.
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return device if device_ is None and caller.startswith(DIST) else real_get(device_)
 
     return [(utils, "_detect_cuda_major", lambda: CUDA_MAJOR), (binary_wrapper, "ctypes", shim),
             (torch.cuda.memory, "CUDAPluggableAllocator", FakePluggableAllocator),

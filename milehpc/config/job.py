@@ -119,7 +119,7 @@ class TrainerSpec:
     sft_warmup_steps: int = opt(0, min=0, help="supervised steps on the task's labels before RL")
     sft_lr: float | None = opt(None, min=0.0)
     options: dict[str, Any] = opt({})
-    lora: LoraSpec | None = opt(None, help="[trainer.lora]: train adapters only (torch trainer, reference engine)")
+    lora: LoraSpec | None = opt(None, help="[trainer.lora]: train adapters only (torch or megatron trainer, reference engine)")
 
     @property
     def ranks(self) -> int:

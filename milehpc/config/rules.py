@@ -325,26 +325,81 @@ def routing_replay_needs_moe(job: JobSpec, file: str | None) -> None:
 
 # ---- LoRA ----------------------------------------------------------------------------------------------------
 
-def lora_trains_with_the_torch_trainer(job: JobSpec, file: str | None) -> None:
-    """trainer.lora × trainer.backend × trainer.options.fsdp: the adapters are peft's, on the torch trainer's HF
-    model (Megatron's TP-sharded adapters and peft under FSDP2 sharding are not built yet)."""
-    if job.trainer.lora is None:
+def lora_fits_the_trainer(job: JobSpec, file: str | None) -> None:
+    """trainer.lora × trainer.backend × trainer.options × trainer.pp × trainer.distributed_optimizer ×
+    trainer.precision × model.num_experts: the torch trainer's peft adapters train under DDP (peft under FSDP2
+    sharding is not built); the Megatron trainer's TP-sharded adapters (milehpc.train.megatron.lora) train a dense
+    model at any TP x DP on the local layer spec — no pipeline stages, distributed optimizer, transformer-engine
+    layers, adapter dropout or modules_to_save yet."""
+    spec, tr = job.trainer.lora, job.trainer
+    if spec is None:
         return
-    if job.trainer.backend != "torch":
-        raise ConfigError(f"[trainer.lora] trains with the torch trainer: expected trainer.backend = 'torch', got "
-                          f"{job.trainer.backend!r}", file=file, field="trainer.backend")
-    if job.trainer.ranks > 1 and _trainer_options(job, file)["fsdp"]:
-        raise ConfigError("[trainer.lora] trains under DDP: expected trainer.options.fsdp = false with several "
-                          "trainer ranks, got true", file=file, field="trainer.options.fsdp")
+    if tr.backend == "torch":
+        if tr.ranks > 1 and _trainer_options(job, file)["fsdp"]:
+            raise ConfigError("[trainer.lora] trains under DDP: expected trainer.options.fsdp = false with several "
+                              "trainer ranks, got true", file=file, field="trainer.options.fsdp")
+        return
+    if tr.backend != "megatron":
+        raise ConfigError(f"[trainer.lora] trains with the torch or the megatron trainer: expected trainer.backend in "
+                          f"'torch', 'megatron', got {tr.backend!r}", file=file, field="trainer.backend")
+    why = "with [trainer.lora] on the megatron trainer"
+    te = _trainer_options(job, file)["transformer_engine"]
+    refused = [
+        (tr.pp > 1, "trainer.pp", f"expected trainer.pp = 1 {why} (adapters over pipeline stages are not built), "
+                                  f"got {tr.pp}"),
+        (tr.distributed_optimizer, "trainer.distributed_optimizer",
+         f"expected trainer.distributed_optimizer = false {why} (the adapter's optimizer state is small and "
+         "checkpointed per rank), got true"),
+        (job.model.num_experts > 0, "model.num_experts",
+         f"expected a dense model {why} (adapters on experts are not built), got model.num_experts = "
+         f"{job.model.num_experts}"),
+        (tr.precision == "fp8" or te is True, "trainer.precision" if tr.precision == "fp8" else
+         "trainer.options.transformer_engine",
+         f"expected the local layer spec {why} (transformer-engine fuses the input norm into the adapted layers), "
+         f"got {'precision fp8' if tr.precision == 'fp8' else 'transformer_engine = true'}"),
+        (spec.dropout > 0, "trainer.lora.dropout", f"expected trainer.lora.dropout = 0 {why} (adapter dropout "
+                                                   f"under TP is not built), got {spec.dropout}"),
+        (bool(spec.modules_to_save), "trainer.lora.modules_to_save",
+         f"expected no modules_to_save {why} (adapters only), got {spec.modules_to_save!r}"),
+    ]
+    for broken, field, message in refused:
+        if broken:
+            raise ConfigError(message, file=file, field=field)
 
 
-def lora_rolls_out_on_the_reference_engine(job: JobSpec, file: str | None) -> None:
-    """trainer.lora × rollout.engine: only the reference engine applies synced adapters so far (SGLang's
-    load_lora_adapter path is not built yet)."""
-    if job.trainer.lora is not None and job.rollout.engine not in REFERENCE_ENGINES:
-        raise ConfigError(f"[trainer.lora] syncs adapters the reference engine applies: expected rollout.engine in "
-                          f"{', '.join(map(repr, REFERENCE_ENGINES))}, got {job.rollout.engine!r}", file=file,
-                          field="rollout.engine")
+# The module kinds SGLang's LoRA adapts on the dense HF families milehpc builds (``SUPPORTED_LORA_TARGET_MODULES`` of
+# sglang 0.5.23 that these models have as nn.Linear; milehpc.rollout.sglang_lora starts the engine with all of them).
+SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_rolls_out_where_adapters_load(job: JobSpec, file: str | None) -> None:
+    """trainer.lora × rollout.engine × trainer.lora.modules_to_save × trainer.lora.target_modules × model.num_experts:
+    the reference engine merges any synced adapter; SGLang loads adapter matrices through its LoRA API (milehpc.
+    rollout.sglang_lora) — on a dense model, not modules trained in full, and only on the module kinds it has LoRA
+    layers for (a pattern with wildcards in its last part is resolved on the ranks and checked there)."""
+    spec = job.trainer.lora
+    if spec is None or job.rollout.engine in REFERENCE_ENGINES:
+        return
+    if job.rollout.engine != "sglang":
+        raise ConfigError(f"[trainer.lora] syncs adapters that the reference or the SGLang engine loads: expected "
+                          f"rollout.engine in {', '.join(map(repr, (*REFERENCE_ENGINES, 'sglang')))}, got "
+                          f"{job.rollout.engine!r}", file=file, field="rollout.engine")
+    if job.model.num_experts > 0:
+        raise ConfigError(f"expected a dense model with [trainer.lora] on rollout.engine = 'sglang' (SGLang's expert "
+                          f"adapters need its triton kernels), got model.num_experts = {job.model.num_experts}",
+                          file=file, field="model.num_experts")
+    if spec.modules_to_save:
+        raise ConfigError(f"SGLang's LoRA API loads adapters only: expected no modules_to_save with rollout.engine = "
+                          f"'sglang', got {spec.modules_to_save!r}", file=file, field="trainer.lora.modules_to_save")
+    kinds = {p.rsplit(".", 1)[-1] for p in spec.target_modules}
+    literal = {k for k in kinds if not any(c in k for c in "*?[")}
+    unknown = sorted(literal - set(SGLANG_LORA_MODULES))
+    qkv = literal & {"q_proj", "k_proj", "v_proj"}
+    if unknown or (qkv and len(literal) == len(kinds) and not {"q_proj", "v_proj"} <= qkv):
+        got = f"{unknown}" if unknown else f"{sorted(qkv)} without {sorted({'q_proj', 'v_proj'} - qkv)}"
+        raise ConfigError(f"expected modules SGLang's LoRA adapts ({', '.join(SGLANG_LORA_MODULES)}; q_proj and "
+                          f"v_proj together, SGLang stacks q/k/v), got {got}", file=file,
+                          field="trainer.lora.target_modules")
 
 
 # Options first (later rules read them); the first rule broken is the one reported.
@@ -356,8 +411,8 @@ RULES: tuple[Rule, ...] = (
     model_family_is_supported, random_moe_has_an_moe_family, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
     megatron_kl_reference_is_the_initial_policy, megatron_moe_needs_tp_1,
     megatron_ep_divides_the_experts, fsdp_trains_the_policy_alone, distillation_needs_a_teacher,
-    sglang_stop_strings_need_a_tokenizer, routing_replay_needs_moe, lora_trains_with_the_torch_trainer,
-    lora_rolls_out_on_the_reference_engine, evaluation_needs_validation_prompts, evaluation_sees_synced_weights,
+    sglang_stop_strings_need_a_tokenizer, routing_replay_needs_moe, lora_fits_the_trainer,
+    lora_rolls_out_where_adapters_load, evaluation_needs_validation_prompts, evaluation_sees_synced_weights,
 )
 
 

@@ -113,7 +113,8 @@ def _provenance(source: Source, kind: str, dtype: str) -> dict[str, Any]:
         "base": base_source(source.job), "milehpc_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    if source.job.trainer.backend == "megatron":
+    # A Megatron LoRA checkpoint is adapter-only: it has no dist checkpoint.
+    if source.job.trainer.backend == "megatron" and source.job.trainer.lora is None:
         from milehpc.export.megatron import dist_checkpoint_dir
 
         record["dist_checkpoint"] = str(dist_checkpoint_dir(source).resolve())

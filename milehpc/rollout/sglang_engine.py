@@ -54,13 +54,19 @@ from typing import TYPE_CHECKING, Any
 from milehpc.config.sglang_options import SGLangOptions, parse_options, rl_quantization_args
 from milehpc.errors import ConfigError, RuntimeFailure
 from milehpc.faults import armed
+from milehpc.rollout import sglang_lora
 from milehpc.rollout import sglang_mapping as sm
 
 if TYPE_CHECKING:
     import torch
 
+    from milehpc.config.job import LoraSpec
     from milehpc.rollout.engine import SamplingParams
     from milehpc.samples import Sample
+
+# SGLang's scheduler imports this module (it unpickles sigquit_handler from the server args): a CPU engine with LoRA
+# has it make host-memory pinning a no-op there before the LoRA layers are built (milehpc.rollout.sglang_lora).
+sglang_lora.unpin_if_asked()
 
 ENGINE_PORT_BASE = 30000  # + engine index * 16; never served (the Engine API is in-process) but must be free
 
@@ -70,6 +76,16 @@ CPU_SERVER_ARGS: dict[str, Any] = {
     "device": "cpu", "attention_backend": "torch_native", "disable_overlap_schedule": True,
     "mem_fraction_static": 0.05, "max_total_tokens": 4096, "chunked_prefill_size": -1, "skip_server_warmup": True,
 }
+
+
+def cpu_colocated_args(args: dict[str, Any], opts: SGLangOptions) -> dict[str, Any]:
+    """A colocated engine on a CPU: memory saving off (torch_memory_saver needs libcuda; with it on, SGLang's
+    scheduler dies at start-up, exit code 127), so release/resume_memory_occupation pause nothing (SGLang's no-op
+    saver adapter) and the weights stay; and the CPU's small memory share instead of the colocated GPU default 0.5."""
+    out = {**args, "enable_memory_saver": False}
+    if opts.mem_fraction_static is None:
+        out["mem_fraction_static"] = CPU_SERVER_ARGS["mem_fraction_static"]
+    return out
 
 
 def version_note() -> str | None:
@@ -175,7 +191,8 @@ class SGLangEngine:
 
     def __init__(self, job: Any, server_args: dict[str, Any], opts: SGLangOptions, *, engine: int = 0,
                  engine_rank: int = 0, eos_id: int | None = None, moe_shape: tuple[int, int] | None = None,
-                 colocated: bool = False, version: int = 0, engine_factory: Any = None, gather: Any = None) -> None:
+                 colocated: bool = False, version: int = 0, engine_factory: Any = None, gather: Any = None,
+                 lora: LoraSpec | None = None) -> None:
         self.job = job
         self._factory = engine_factory  # None = sglang.Engine (tests pass a stand-in: no GPU here)
         self.server_args = dict(server_args)
@@ -201,6 +218,9 @@ class SGLangEngine:
         self._dead_reason: str | None = None
         self._engine: Any = None
         self._pids: set[int] = set()
+        self.lora = lora  # [trainer.lora] (LoraSpec): syncs load adapters through SGLang's LoRA API (sglang_lora)
+        self.adapter_name: str | None = None  # what every generate request names (None: the base model)
+        self.adapter: dict[str, Any] = {}  # the last loaded adapter (peft names)
         self._start()
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -217,6 +237,8 @@ class SGLangEngine:
                 print(f"milehpc: {note}", file=sys.stderr, flush=True)
         if self.server_args.get("device") == "cpu":
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # else sglang imports vllm for its CPU ops
+            if self.lora is not None:
+                os.environ[sglang_lora.UNPIN_ENV] = "1"  # read by the scheduler, see sglang_lora.unpin_if_asked
         if self.server_args.get("nnodes", 1) > 1:
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
         # Logprobs of the temperature-scaled distribution (SGLang's default), which is what the trainer recomputes;
@@ -258,6 +280,7 @@ class SGLangEngine:
             self.update_groups.clear()
             self._session_open = False
             self.version = -1
+            self.adapter_name = None  # a new engine has no adapter loaded
 
     @property
     def needs_weight_sync(self) -> bool:
@@ -317,6 +340,8 @@ class SGLangEngine:
         kwargs = sm.generate_kwargs(requests, return_routed_experts=self.moe_shape is not None)
         with self._lock:
             version = self.version
+            if self.adapter_name is not None:
+                kwargs["lora_path"] = [self.adapter_name] * len(requests)
             outputs = self._call("generate", self._engine.generate, **kwargs)
         if isinstance(outputs, dict):
             outputs = [outputs]
@@ -395,6 +420,9 @@ class SGLangEngine:
         then flush once. With ``gpus_per_engine > 1`` every rank of the engine calls this with the tensors on its
         own GPU: each serializes them (CUDA-IPC handles only the scheduler on the same GPU can open) and the leader
         sends one request carrying one payload per TP rank, as slime does."""
+        if self.lora is not None:
+            self._load_adapter(named_tensors, version)
+            return
         bucket_bytes = self.opts.weight_bucket_mb << 20
         names: list[str] = []
         tp = int(self.server_args.get("tp_size", 1))
@@ -419,6 +447,31 @@ class SGLangEngine:
             self._call("flush_cache", self._engine.flush_cache)
             self._last_names = names
             self.version = version
+
+    def _load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """LoRA: the synced adapter goes to SGLang's LoRA API under the version's own name; the previous one is
+        unloaded once the new one loaded (:mod:`milehpc.rollout.sglang_lora`). Leader only: SGLang sends each TP
+        scheduler its copy."""
+        if not self.is_leader:
+            return
+        tensors = sglang_lora.adapter_tensors(named_tensors, self.lora)
+        config = sglang_lora.config_dict(tensors, self.lora)
+        name = sglang_lora.adapter_name(version)
+        with self._lock:
+            if self.adapter_name == name:  # the same version again: SGLang cannot load a loaded name
+                self._unload_adapter(name)
+                self.adapter_name = None
+            result = self._call("load_lora_adapter_from_tensors", self._engine.load_lora_adapter_from_tensors,
+                                name, tensors, config)
+            _check_result("load_lora_adapter_from_tensors", (result.success, result.error_message))
+            old, self.adapter_name, self.adapter = self.adapter_name, name, tensors
+            if old is not None:
+                self._unload_adapter(old)
+            self.version = version
+
+    def _unload_adapter(self, name: str) -> None:
+        result = self._call("unload_lora_adapter", self._engine.unload_lora_adapter, name)
+        _check_result("unload_lora_adapter", (result.success, result.error_message))
 
     def _gather_payloads(self, bucket: list[tuple[str, torch.Tensor]], tp: int) -> list[Any]:
         """One serialized payload per TP rank, in TP-rank order (``deserialize_own_rank`` picks index tp_rank)."""
@@ -514,6 +567,9 @@ class SGLangEngine:
 
         if not self.is_leader:
             return
+        if self.lora is not None:  # the adapter as loaded, in the sync's names (the reference engine's way)
+            yield from ((n.removeprefix(sglang_lora.PEFT_PREFIX), t) for n, t in self.adapter.items())
+            return
         for name in self._last_names:
             values = self._call("get_weights_by_name", self._engine.get_weights_by_name, name,
                                 truncate_size=self.opts.check_weights_truncate)
@@ -604,6 +660,9 @@ def from_context(ctx: Any, *, engine_factory: Any = None) -> SGLangEngine:
     precision = resolve_precision(job)
     tokenizer = build_tokenizer(job.model.tokenizer)
     path, random_init = model_folder(ctx, tokenizer.vocab_size, int(tokenizer.pad_id), int(tokenizer.eos_id))
+    if job.trainer.lora is not None and random_init:  # only the adapter is synced: SGLang loads the trainer's base
+        writer = ctx.comms.rank == min(ctx.plan.engine_leaders() or [0])
+        path, random_init = sglang_lora.seeded_base_folder(job, Path(ctx.run_dir), writer=writer), False
     layout = engine_layout(ctx)
     # Stop strings come with a tokenizer folder (the job rules refuse the toy tokenizer on the login node).
     tok_path = job.model.tokenizer if job.rollout.stop and Path(job.model.tokenizer).is_dir() else None
@@ -614,6 +673,10 @@ def from_context(ctx: Any, *, engine_factory: Any = None) -> SGLangEngine:
 
     if not torch.cuda.is_available():
         args = {**CPU_SERVER_ARGS, **args}
+        if job.resources.colocate:
+            args = cpu_colocated_args(args, opts)
+    if job.trainer.lora is not None:
+        args.update(sglang_lora.server_args(job.trainer.lora, cpu=args.get("device") == "cpu"))
     args = rl_quantization_args(args, random_init=random_init)
     if engine_factory is None:
         from milehpc.config.sglang_options import check_against_server_args
@@ -632,4 +695,5 @@ def from_context(ctx: Any, *, engine_factory: Any = None) -> SGLangEngine:
             return ctx.comms.gather(payload, leader, members, what=f"engine {layout.engine}'s weight payloads")
     return SGLangEngine(job, args, opts, engine=layout.engine, engine_rank=layout.engine_rank,
                         eos_id=int(tokenizer.eos_id), moe_shape=moe, colocated=job.resources.colocate,
-                        version=-1 if random_init else 0, engine_factory=engine_factory, gather=gather)
+                        version=-1 if random_init else 0, engine_factory=engine_factory, gather=gather,
+                        lora=job.trainer.lora)

@@ -176,6 +176,7 @@ class ColocatedStep:
         self.device, self.groups = device, groups
         self.memory_probe, self.clock = memory_probe, clock
         self.train_paused = False
+        self.engine_resident = False  # restarted since its release: weights and KV cache both on the device
         self._snapshot = HostSnapshot()
         self.report = StepReport()
 
@@ -197,9 +198,32 @@ class ColocatedStep:
         with self.saver.region(TRAIN_TAG, enable_cpu_backup=True):
             yield
 
+    def _restart_engine(self) -> None:
+        """A dead engine (its scheduler process died) restarts in place, resident, with the checkpoint's (or random)
+        weights; only while the trainer is paused (a death at :meth:`offload_rollout` waits for the onload)."""
+        self.engine.restart()  # raises once rollout.options.max_restarts is used up
+        self.engine_resident = True
+
+    def _engine_died(self, err: RuntimeFailure) -> None:
+        """Re-raise ``err`` unless the engine died during the call; then restart it."""
+        if self.engine.health():
+            raise err
+        self._restart_engine()
+
     def offload_rollout(self) -> None:
         before = self.memory_probe()
-        self._timed("offload_rollout", self.engine.release_memory)
+
+        def run() -> None:
+            if not self.engine.health():
+                return  # dead: its memory went with its processes; restarted at onload_weights
+            try:
+                self.engine.release_memory()
+            except RuntimeFailure:
+                if self.engine.health():
+                    raise
+
+        self._timed("offload_rollout", run)
+        self.engine_resident = False
         self.report.freed_rollout_bytes = max(0, before - self.memory_probe())
 
     def onload_train(self) -> None:
@@ -234,8 +258,22 @@ class ColocatedStep:
         self.train_paused = True
         self.report.freed_train_bytes = max(0, before - self.memory_probe())
 
+    def _onload(self, tags: tuple[str, ...]) -> bool:
+        """Resume ``tags``; True when the engine had died and was restarted instead (its weights need a refill)."""
+        if self.engine_resident:
+            return False  # restarted: resident already (resuming an unreleased tag kills SGLang's scheduler)
+        if not self.engine.health():
+            self._restart_engine()
+            return True
+        try:
+            self.engine.resume_memory(list(tags))
+        except RuntimeFailure as err:
+            self._engine_died(err)
+            return True
+        return False
+
     def onload_weights(self) -> None:
-        self._timed("onload_weights", lambda: self.engine.resume_memory(list(ONLOAD_BEFORE_UPDATE)))
+        self._timed("onload_weights", lambda: self._onload(ONLOAD_BEFORE_UPDATE))
 
     def update_weights(self, version: int) -> None:
         """The engine takes the snapshot (uploaded tensor by tensor, :class:`~milehpc.weights.inplace.HostSnapshot`)."""
@@ -243,7 +281,11 @@ class ColocatedStep:
         def run() -> None:
             import torch
 
-            self.engine.update_weights(self._snapshot.upload(self.device), version)
+            try:
+                self.engine.update_weights(self._snapshot.upload(self.device), version)
+            except RuntimeFailure as err:  # the engine died during the update: again, into the restarted one
+                self._engine_died(err)
+                self.engine.update_weights(self._snapshot.upload(self.device), version)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()  # the upload buffers: give them back before the KV cache returns
@@ -252,7 +294,11 @@ class ColocatedStep:
         self.report.update_bytes = self._snapshot.uploaded_bytes
 
     def onload_kv(self) -> None:
-        self._timed("onload_kv", lambda: self.engine.resume_memory(list(ONLOAD_AFTER_UPDATE)))
+        def run() -> None:
+            if self._onload(ONLOAD_AFTER_UPDATE):  # died after its update: refill the restarted engine
+                self.update_weights(self.trainer.version)
+
+        self._timed("onload_kv", run)
 
     # ---- the two halves of a step, and the whole step ----------------------------------------------------
     def generate_phase(self, produce: Callable[[], T]) -> T:
@@ -261,6 +307,7 @@ class ColocatedStep:
         self.report = StepReport()
         if not self.engine.health():
             self.engine.restart()  # comes back resident, with the checkpoint's (or random) weights
+            self.engine_resident = True
             self.update_weights(self.trainer.version)
         out = self._timed("generate", produce)
         self.offload_rollout()

@@ -17,10 +17,13 @@ if TYPE_CHECKING:
 
 def direct_weight_sync(job: JobSpec) -> bool:
     """Separate rollout ranks whose engine receives the bytes into its own update group (its plugin says
-    ``direct_weight_sync``): the sync is :func:`milehpc.weights.sglang.sync_weights`, not :func:`sync_weights`."""
+    ``direct_weight_sync``): the sync is :func:`milehpc.weights.sglang.sync_weights`, not :func:`sync_weights`.
+    Not with ``[trainer.lora]``: the adapter comes to the rollout rank, which hands it to the engine's LoRA API
+    (:mod:`milehpc.rollout.sglang_lora`)."""
     from milehpc import plugins
 
-    return not job.resources.colocate and plugins.lookup("engine", job.rollout.engine).direct_weight_sync
+    return (not job.resources.colocate and job.trainer.lora is None
+            and plugins.lookup("engine", job.rollout.engine).direct_weight_sync)
 
 
 def sync_weights(comms: Comms, version: int, *, named_tensors: NamedTensors | Callable[[int], NamedTensors] | None = None,

@@ -74,6 +74,8 @@ def save(trainer: CheckpointedTrainer, directory: str | Path) -> Path:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    if getattr(trainer, "adapters", None):  # its sharded state dict would hold the frozen base, and no adapter layout
+        raise RuntimeError("a LoRA trainer's checkpoint is adapter-only: MegatronTrainer.state_dict_for_checkpoint")
     path = Path(directory)
     if dist.get_rank() == 0:
         if path.exists():

@@ -206,10 +206,11 @@ def transformer_config(
 
 
 def use_transformer_engine(trainer: TrainerSpec) -> bool:
-    """TE layers on GPUs for bf16/fp8 (or when asked); never on CPU, where TE cannot run."""
+    """TE layers on GPUs for bf16/fp8 (or when asked); never on CPU, where TE cannot run, nor with LoRA (its
+    adapters need the local spec's separate input norms, :mod:`milehpc.train.megatron.lora`)."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or trainer.lora is not None:
         return False
     asked = trainer.options.get("transformer_engine")
     return bool(trainer.precision in ("bf16", "fp8") if asked is None else asked)

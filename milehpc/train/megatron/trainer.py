@@ -28,6 +28,8 @@
 * **Critic** (PPO/GAE): a second trained GPT model with a value head, its own DDP wrapper, optimizer and place in the
   dist checkpoint (:mod:`.critic`); its values go into ``batch.values`` before the advantages, and each epoch's
   policy step is followed by its own.
+* **LoRA** (``[trainer.lora]``, :mod:`.lora`): the base frozen, peft's adapters TP-sharded on the linear layers; the
+  optimizer, the checkpoint (adapter-only, no dist checkpoint) and the weight sync hold the adapter alone.
 """
 
 from __future__ import annotations
@@ -181,7 +183,10 @@ class MegatronTrainer:
         self.packed = self.te
         self.thd = self.te
         self.module = mm.build_gpt(self.arch, self.config, tp=self.tp, te=self.te)
-        self._load_hf(hf_model)
+        hf_model = self._load_hf(hf_model)
+        # [trainer.lora]: what the adapters need of the HF model, read before it is dropped.
+        lora_init = self._lora_init(hf_model) if tr.lora is not None else None
+        del hf_model
         # Built now, before any step or checkpoint load: the policy is still the initial one.
         self.ref = self._build_reference() if algorithm.needs_ref else None
         self.teacher: Any = None
@@ -190,6 +195,8 @@ class MegatronTrainer:
             from milehpc.train.megatron import teacher
 
             self.teacher, self.teacher_vocab = teacher.build(self)
+        # The base frozen, adapters on its linear layers (after the reference copied the base).
+        self.adapters = self._attach_lora(*lora_init) if lora_init is not None else []
         # Colocated (or asked to) on a GPU: the frozen models (reference, teacher) wait in CPU memory between uses.
         self.ref_offload = ((bool(job.resources.colocate) or bool(job.trainer.options.get("offload_frozen", False)))
                             and self.device.type == "cuda")
@@ -221,8 +228,9 @@ class MegatronTrainer:
 
         return expert_offset(self.arch)
 
-    def _load_hf(self, hf_model: Any) -> None:
-        """Start from the HF weights the rollout engines start from (same builder, same seed)."""
+    def _load_hf(self, hf_model: Any) -> Any:
+        """Start from the HF weights the rollout engines start from (same builder, same seed); returns that HF
+        model."""
         from milehpc.train.megatron.convert import load_hf_weights
 
         if hf_model is None:
@@ -232,6 +240,29 @@ class MegatronTrainer:
                                    eos_id=self.eos_id)
         load_hf_weights(self.module, dict(hf_model.state_dict()), self.arch, tp=self.tp,
                         dtype=self.config.params_dtype)
+        return hf_model
+
+    def _lora_init(self, hf_model: Any) -> tuple[dict[int, dict[str, list[str]]], dict[str, torch.Tensor]]:
+        """(targeted projections, initial adapter) of the HF model: the torch trainer's peft adapters (same seed,
+        same draws); the base's fingerprint and full size are taken first (checkpoints, sync metrics)."""
+        from milehpc.train import lora as peft_lora
+        from milehpc.train.megatron import lora
+
+        spec = self.job.trainer.lora
+        if self.arch.is_moe:  # a checkpoint's config.json can make it an MoE unseen by the login node
+            raise ConfigError(f"the megatron trainer's LoRA adapts dense models: expected a checkpoint without "
+                              f"experts, got {self.arch.num_experts}", field="trainer.lora")
+        self.base_fingerprint = peft_lora.fingerprint(hf_model)
+        self.full_model_bytes = peft_lora.nbytes(hf_model.state_dict().items())
+        chosen = lora.targets(hf_model, spec)
+        return chosen, lora.initial_adapter(hf_model, spec, seed=self.job.run.seed)
+
+    def _attach_lora(self, chosen: dict[int, dict[str, list[str]]], full: dict[str, torch.Tensor]) -> list[Any]:
+        """Freeze the base and put this rank's shards of the adapter ``full`` on its ``chosen`` linear layers."""
+        from milehpc.train.megatron import lora
+
+        return lora.attach(self.module, full, chosen, arch=self.arch, spec=self.job.trainer.lora, tp=self.tp,
+                           tp_rank=self.tp_rank, layer_offset=self.layer_offset)
 
     def _build_reference(self) -> Any:
         """A frozen copy of the policy as loaded: same config and sharding, no DDP, no optimizer, no gradients."""
@@ -568,6 +599,9 @@ class MegatronTrainer:
             out["train/logprob_diff_mean"] = reduced[-2] / reduced[-1]
             out["train/logprob_diff_max"] = self._dp_sum([summary["diff_max"]], "max")[0]
         out["time/train_compute"] = time.perf_counter() - t0
+        if self.adapters:  # bytes the last weight sync moved, and what a full-model sync would have (torch trainer's)
+            out["sync/bytes"] = float(self.sync_bytes)
+            out["sync/full_model_bytes"] = float(self.full_model_bytes)
         return out
 
     def _summarise(self, outs: list[Any], tokens: float, epochs: int = 1) -> dict[str, Any]:
@@ -639,8 +673,30 @@ class MegatronTrainer:
         """Collective over the trainer ranks: this PP stage's weights in HF names on the stage leader (tp=0,
         dp=0); an empty list elsewhere. TP shards are gathered over the TP group, experts over the EP group.
         ``grads``: the last step's gradients (DP-reduced ``main_grad``) in the same names instead, to compare a
-        step with the torch trainer's."""
+        step with the torch trainer's. With LoRA: the adapter alone (and its scaling), in the torch trainer's wire
+        names (:mod:`.lora`)."""
+        if self.adapters:
+            return self._export_adapter(grads=grads)
         return self.export_module(self.module, self.arch, moe_layout=moe_layout, grads=grads)
+
+    sync_bytes = 0  # of the last adapter export (LoRA)
+
+    def _export_adapter(self, *, grads: bool) -> list[tuple[str, torch.Tensor]]:
+        import torch
+
+        from milehpc.rollout.reference import LORA_SCALING
+        from milehpc.train.megatron import lora
+
+        named = lora.export(self.adapters, grads=grads)  # a collective over the TP group: every rank calls it
+        if self.tp_rank != 0 or self.dp_rank != 0:
+            return []
+        spec = self.job.trainer.lora
+        # float64: alpha / rank exactly as the Python float peft multiplies by (milehpc.train.lora.export).
+        out = [] if grads else [(LORA_SCALING, torch.tensor([spec.alpha / spec.rank], dtype=torch.float64))]
+        out += [(n, t.cpu().contiguous()) for n, t in named]
+        if not grads:
+            self.sync_bytes = sum(t.numel() * t.element_size() for _, t in out)
+        return out
 
     def export_module(self, module: Any, arch: Any, *, moe_layout: str = "transformers", grads: bool = False,
                       raw: tuple[str, ...] = ()) -> list[tuple[str, torch.Tensor]]:
@@ -695,13 +751,25 @@ class MegatronTrainer:
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """Collective over the trainer ranks. With a checkpoint root: model and optimizer go into a
         dist_checkpointing directory (``v<steps>``, resumable at another TP/PP/DP layout) and this rank's state
-        only references it; without one: this rank's shard as trained (same layout only). Both resume
-        bit-exactly."""
+        only references it; without one: this rank's shard as trained (same layout only). With LoRA: the full
+        adapter in peft names (what ``milehpc export --adapter`` reads) and this rank's optimizer state, with or
+        without a root (same layout only). All resume bit-exactly."""
         import torch
 
         from milehpc.train.megatron import checkpoint
 
         state: dict[str, Any] = {"version": self.version, "steps": self.steps, "rng_tracker": _tracker_states()}
+        if self.adapters:  # adapter-only, per rank: the frozen base is rebuilt from its source, never written
+            from milehpc.train import lora as peft_lora
+            from milehpc.train.megatron import lora
+
+            state["model"] = lora.checkpoint_state(self.adapters, source=peft_lora.base_source(self.job),
+                                                   base_fingerprint=self.base_fingerprint)
+            state["optimizer"] = self.optimizer.state_dict()
+            state["lora_layout"] = [self.tp, self.pp, self.dp_size]
+            if self.critic is not None:
+                state.update(self.critic.local_state())
+            return state
         if self.dist_checkpoint_root is not None:
             from pathlib import Path
 
@@ -726,7 +794,9 @@ class MegatronTrainer:
         # Set by LoopCheckpoint when the checkpoint was written at another TP/PP/DP layout: ``state`` is then trainer
         # rank 0's (version, steps, dist checkpoint path); model and optimizer are resharded by dist_checkpointing.
         resharded = bool(state.get("resharded"))
-        if "dist_checkpoint" in state:
+        if self.adapters:
+            self._load_lora_state(state)
+        elif "dist_checkpoint" in state:
             checkpoint.load(self, state["dist_checkpoint"])
         elif resharded:
             raise ConfigError("this Megatron checkpoint holds per-rank shards (it was written without a checkpoint "
@@ -744,6 +814,20 @@ class MegatronTrainer:
             return
         _set_tracker_states(state.get("rng_tracker"))
 
+    def _load_lora_state(self, state: dict[str, Any]) -> None:
+        """Adapter (this rank's shards of the full one), optimizer and critic of a LoRA checkpoint; its optimizer state
+        is per rank, so only the layout that wrote it resumes it."""
+        from milehpc.train.megatron import lora
+
+        layout = [self.tp, self.pp, self.dp_size]
+        if state.get("resharded") or state.get("lora_layout") != layout:
+            raise ConfigError(f"a Megatron LoRA checkpoint resumes at the layout that wrote it: expected trainer "
+                              f"tp, pp, dp = {state.get('lora_layout')}, got {layout}", field="trainer")
+        lora.load_checkpoint_state(self.adapters, state["model"], base_fingerprint=self.base_fingerprint,
+                                   tp_rank=self.tp_rank)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.critic is not None:
+            self.critic.load_local_state(state)
 
 
 def _unpacked_loss(loss_func: Any, mb: Batch, pk: Any, logits: torch.Tensor) -> Any:

@@ -1,0 +1,121 @@
+"""``[trainer.lora]`` on the REAL sglang 0.5.23 engine on the CPU (``pytest -k contract``): an adapter made by
+``peft`` on a tiny Qwen2 (milehpc's own :func:`milehpc.train.lora.attach` / :func:`~milehpc.train.lora.export`, what
+a sync carries) goes through milehpc's :meth:`SGLangEngine.update_weights` into SGLang's LoRA API, and the engine's
+greedy output equals ``PeftModel`` + transformers' ``generate`` (logprobs agree as after any sync); a second version
+replaces the first (output follows it, the first is unloaded). One engine for the module; LoRA on the CPU needs
+:mod:`milehpc.rollout.sglang_lora`'s torch_native backend and its pinning shim in the scheduler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from required import require_module
+from sglang_real import TESTED, engine_args, require_real_sglang, tiny_qwen2
+
+PROMPTS = [[5, 9, 3, 7], [11, 4, 8], [20, 21]]
+NEW = 6
+
+require_module("peft")
+
+
+@pytest.fixture(scope="module")
+def spec():
+    from milehpc.config.job import LoraSpec
+
+    return LoraSpec(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    require_real_sglang()
+    return tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2-lora"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, spec):
+    from milehpc.config.sglang_options import parse_options
+    from milehpc.rollout import sglang_lora
+    from milehpc.rollout.sglang_engine import SGLangEngine
+
+    eng = SGLangEngine(None, engine_args(model_dir, **sglang_lora.server_args(spec, cpu=True)), parse_options({}),
+                       eos_id=None, lora=spec)
+    yield eng
+    eng.shutdown()
+
+
+def policy(model_dir: Path, spec, seed: int):
+    """The trainer's peft policy over the tiny Qwen2, its adapter trained away from zero (B = 0 is the base)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from milehpc.train import lora
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    module = lora.attach(base, spec, seed=0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora.trainable(module):
+            p.add_(torch.randn(p.shape, generator=g) * (0.3 if "lora_B" in name else 0.1))
+    return module.eval()
+
+
+def greedy(engine) -> list:
+    from milehpc.rollout.engine import SamplingParams
+
+    return engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=NEW))
+
+
+def peft_greedy(module) -> list[list[int]]:
+    import torch
+
+    return [module.generate(input_ids=torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+
+
+def assert_logprobs_agree(samples, module) -> None:
+    import torch
+
+    for s in samples:
+        ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids)])
+        with torch.no_grad():
+            logp = torch.log_softmax(module(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        p = len(s.prompt_ids)
+        want = [float(logp[p - 1 + i, t]) for i, t in enumerate(s.response_ids)]
+        diff = max(abs(a - b) for a, b in zip(s.rollout_logprobs, want, strict=True))
+        assert diff < 1e-3, f"engine vs peft logprobs differ by {diff}"
+
+
+def test_contract_lora_imports_the_tested_sglang():
+    require_real_sglang()
+    import sglang
+
+    assert sglang.__version__ == TESTED
+
+
+def test_contract_peft_adapter_loads_and_a_new_version_replaces_it(engine, model_dir, spec):
+    from milehpc.train import lora
+
+    base_out = [s.response_ids for s in greedy(engine)]  # no adapter loaded yet: the base (B = 0 policy)
+    assert engine.adapter_name is None
+    seen = []
+    for version, seed in ((1, 1), (2, 2)):
+        module = policy(model_dir, spec, seed)
+        engine.update_weights(lora.export(module, spec), version=version)
+        assert engine.version == version and engine.adapter_name == f"milehpc-policy-v{version}"
+        samples = greedy(engine)
+        want = peft_greedy(module)
+        assert [s.response_ids for s in samples] == want, version
+        assert_logprobs_agree(samples, module)
+        seen.append(want)
+        # The weight check compares the adapter the engine loaded with the trainer's export.
+        sent = {n: t for n, t in lora.export(module, spec) if n != "lora.scaling"}
+        held = dict(engine.named_parameters())
+        assert held.keys() == sent.keys() and all((held[n] == sent[n]).all() for n in sent)
+    # Each adapter changes the output, and the second replaced the first: only it stays loaded in SGLang.
+    assert seen[0] != base_out and seen[1] != seen[0]
+    loaded = engine._engine.tokenizer_manager.lora_registry.get_all_adapters()
+    assert set(loaded) == {"milehpc-policy-v2"}, loaded
+    # The same version again (a re-sent sync) reloads under its name instead of failing as "already loaded".
+    engine.update_weights(lora.export(module, spec), version=2)
+    assert [s.response_ids for s in greedy(engine)] == seen[1]
