@@ -26,3 +26,16 @@ def test_reported_step_loss_is_the_same_for_any_micro_batch_size(advantage: str,
     for key in keys:
         assert abs(whole[key]) > 1e-3, (key, whole)  # nothing vacuous
         assert cut[key] == pytest.approx(whole[key], rel=1e-5), (key, whole[key], cut[key])
+
+
+def test_reported_ratio_extremes_are_the_steps_for_any_micro_batch_size() -> None:
+    """``actor/ratio_max`` / ``ratio_min`` are the extremes over every token of the step (both PPO epochs: the
+    first's ratios are exactly 1), not an average of the micro-batches' extremes."""
+    metrics = {}
+    for mbs in (64, 3):
+        job = tiny_job(trainer={"micro_batch_size": mbs, "lr": 1e-2}, algorithm={"ppo_epochs": 2})
+        metrics[mbs] = TorchTrainer(job, CharTokenizer()).train_step(_batch(job), 0)
+    whole, cut = metrics[64], metrics[3]
+    assert whole["train/actor/ratio_max"] > 1.0 > whole["train/actor/ratio_min"], whole  # the update moved ratios
+    for key in ("train/actor/ratio_max", "train/actor/ratio_min"):
+        assert cut[key] == pytest.approx(whole[key], rel=1e-5), (key, whole[key], cut[key])

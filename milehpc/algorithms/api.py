@@ -260,8 +260,15 @@ def add_micro_batch_metrics(sums: dict[str, float], metrics: dict[str, float], t
                             epochs: int = 1) -> None:
     """Accumulate one micro-batch's :meth:`Algorithm.loss` metrics into ``sums``: over a rank's micro-batches (and
     ``epochs`` epochs, averaged) they add up to the rank's part of the step; their sum over DP ranks divided by the
-    DP size is the step's. ``token_share``: the micro-batch's tokens / the mean tokens per DP rank."""
+    DP size is the step's. ``token_share``: the micro-batch's tokens / the mean tokens per DP rank. Keys ending in
+    ``max`` / ``min`` (``actor/ratio_max``, ...) keep the extreme over the micro-batches and epochs instead (over the
+    DP ranks: :func:`milehpc.comm.collectives.combine_rank_metrics`); a micro-batch without tokens has none."""
     for k, v in metrics.items():
+        if k.endswith(("max", "min")):
+            if token_share > 0:
+                pick = max if k.endswith("max") else min
+                sums[k] = pick(sums[k], float(v)) if k in sums else float(v)
+            continue
         w = 1.0 if k in LOSS_SHARES else token_share
         sums[k] = sums.get(k, 0.0) + float(v) * w / epochs
 

@@ -327,19 +327,18 @@ class TorchTrainer:
         self.scheduler.step()
         self.version += 1
         self.steps += 1
-        keys = sorted(sums)
-        reduced = _all_reduce([sums[k] for k in keys] + [diff_sum, diff_n])
-        out = {f"train/{k}": v / self.dp_size for k, v in zip(keys, reduced, strict=False)}
         from milehpc.comm.collectives import combine_rank_metrics
 
+        out = {f"train/{k}": v for k, v in combine_rank_metrics(sums, self.dp_size).items()}
+        diff_sum, diff_n = _all_reduce([diff_sum, diff_n])
         out.update({f"train/{k}": v for k, v in combine_rank_metrics(adv_metrics, _dist()[1]).items()})
         out["train/grad_norm"] = grad_norm
         if self.critic is not None:
             out["critic/grad_norm"] = critic_norm
         out["train/lr"] = self.scheduler.get_last_lr()[0]
         out["train/tokens"] = tokens
-        if reduced[-1] > 0:
-            out["train/logprob_diff_mean"] = reduced[-2] / reduced[-1]
+        if diff_n > 0:
+            out["train/logprob_diff_mean"] = diff_sum / diff_n
             out["train/logprob_diff_max"] = _all_reduce([diff_max], "max")[0]
         out["time/train_compute"] = time.perf_counter() - t0
         # Where the step's compute went (bench/async_loop.py --profile): fwd_bwd includes the logprob diagnostics.

@@ -582,21 +582,21 @@ class MegatronTrainer:
         self.steps += 1
         # The critic's outputs add its metrics and its value term to "loss" (the torch trainer's combined loss).
         summary = self._from_last_stage(self._summarise(outs, tokens, epochs))
-        keys = sorted(summary["sums"])
-        reduced = self._dp_sum([summary["sums"][k] for k in keys] + [summary["diff_sum"], summary["diff_n"]])
-        out = {f"train/{k}": v / self.dp_size for k, v in zip(keys, reduced, strict=False)}
         from milehpc.comm.collectives import combine_rank_metrics
 
         # Combined over the DP ranks, as the torch trainer reports them (each rank's are of its share of the batch).
-        adv = combine_rank_metrics(adv_metrics, self.dp_size, group=self.ps.get_data_parallel_group())
+        dp_group = self.ps.get_data_parallel_group()
+        out = {f"train/{k}": v for k, v in combine_rank_metrics(summary["sums"], self.dp_size, group=dp_group).items()}
+        diff_sum, diff_n = self._dp_sum([summary["diff_sum"], summary["diff_n"]])
+        adv = combine_rank_metrics(adv_metrics, self.dp_size, group=dp_group)
         out.update({f"train/{k}": v for k, v in adv.items()})
         out["train/grad_norm"] = grad_norm
         if self.critic is not None:
             out["critic/grad_norm"] = critic_norm
         out["train/lr"] = tr.lr * factor
         out["train/tokens"] = tokens
-        if reduced[-1] > 0:
-            out["train/logprob_diff_mean"] = reduced[-2] / reduced[-1]
+        if diff_n > 0:
+            out["train/logprob_diff_mean"] = diff_sum / diff_n
             out["train/logprob_diff_max"] = self._dp_sum([summary["diff_max"]], "max")[0]
         out["time/train_compute"] = time.perf_counter() - t0
         if self.adapters:  # bytes the last weight sync moved, and what a full-model sync would have (torch trainer's)
