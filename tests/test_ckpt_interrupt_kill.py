@@ -47,8 +47,8 @@ def _log(run_dir: Path) -> str:
 def _scenarios() -> list[tuple[str, str, int]]:
     # A fixed default: CI runs the same scenarios every time; scripts/stress.sh draws new seeds. 3832: three loop
     # modes, colocated included (separate-async broadcast@5, colocated-sync optimizer@5, separate-one_step_off
-    # commit@6). A kill before the first committed checkpoint (e.g. seed 2128: commit@3) fails today: the rerun
-    # starts afresh and metrics.jsonl keeps the lost run's records of the steps before the kill.
+    # commit@6). Seed 2128 (commit@3) kills a job before its first committed checkpoint: the rerun starts afresh
+    # and drops the lost attempt's records (tests/test_loop_local.py covers that in one process).
     seed = int(os.environ.get("MILEHPC_INTERRUPT_SEED") or 3832)
     print(f"interruption scenarios: MILEHPC_INTERRUPT_SEED={seed}")
     rng = random.Random(seed)

@@ -268,3 +268,23 @@ def test_single_process_runs_refuse_other_loops_in_one_line() -> None:
 
     with pytest.raises(ConfigError, match="single-process run"):
         run_local(tiny_job(run={"loop": "one_step_off"}))
+
+
+def test_a_rerun_without_a_checkpoint_rewrites_every_step_once(tmp_path) -> None:
+    """A job killed before its first checkpoint committed starts again from step 0: the lost attempt's metrics and
+    rollout dumps go, so each step keeps one record (what a resume from a checkpoint does from its step on)."""
+    from milehpc.samples.dumps import list_steps
+
+    job = tiny_job(checkpoint={"interval_steps": 0})
+
+    def killed(step: int, _metrics: dict) -> None:
+        if step == 1:
+            raise KeyboardInterrupt("killed before any checkpoint")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_local(job, tmp_path, checkpointing=True, on_step=killed)
+    history = run_local(job, tmp_path, checkpointing=True)
+    assert [h["step"] for h in history] == [0, 1, 2]  # nothing was committed: the rerun starts at 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert list_steps(tmp_path) == [0, 1, 2]

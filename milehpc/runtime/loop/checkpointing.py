@@ -116,10 +116,11 @@ class LoopCheckpoint:
     def restore(self, *, trainer: TrainerSide | None = None, rollout: RolloutSide | None = None) -> bool:
         """Collective, at the start of every rank's loop: load the newest checkpoint into the sides.
         Returns True when the run resumed."""
-        if not self.job.checkpoint.resume:
-            return False
-        info = self.ck.find_latest(sources=lambda i: sorted(set(self.sources(i).values())))
+        info = (self.ck.find_latest(sources=lambda i: sorted(set(self.sources(i).values())))
+                if self.job.checkpoint.resume else None)
         if info is None:
+            if trainer is not None:  # e.g. a job killed or requeued before its first checkpoint committed
+                trainer.drop_records_from(0)
             return False
         src = self.sources(info)
         parts = {r: self.ck.load(info, source_rank=r) for r in sorted(set(src.values()))}

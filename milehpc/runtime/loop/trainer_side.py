@@ -137,12 +137,17 @@ class TrainerSide:
         self.state.load_state_dict(state["loop"])
         self.trainer.load_checkpoint_state(state["trainer"])
         self.history = [dict(h) for h in state.get("recent", [])]
-        if self.metrics is not None:  # the restored step's records and later ones are written again
-            self.metrics.continue_from(self.state.step)
+        self.drop_records_from(self.state.step)
+
+    def drop_records_from(self, step: int) -> None:
+        """This run logs and dumps ``step`` and later again: an earlier attempt's records of those steps go (a
+        resumed run: from the restored step; a rerun with no checkpoint to resume: all of them)."""
+        if self.metrics is not None:
+            self.metrics.continue_from(step)
         if self.leader and self.run_dir is not None:
             from milehpc.samples.dumps import drop_from
 
-            drop_from(self.run_dir, self.state.step)
+            drop_from(self.run_dir, step)
 
 
 def world_facts(comms: Comms) -> dict[str, float]:
