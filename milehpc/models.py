@@ -38,7 +38,9 @@ def lean_transformers_import() -> Iterator[None]:
 
     A ``None`` entry in ``sys.modules`` makes an import raise ImportError and ``importlib.util.find_spec`` return
     None (Python's import system reference), which is how transformers and torch probe optional packages; the
-    entries go when the block ends, so a reward that imports scipy later still gets it. Packages already imported
+    entries go when the block ends, so a reward that imports scipy later still gets it (transformers' own cached
+    ``is_scipy_available()`` / ``is_torchvision_available()`` and torch's triton probe stay False in this process:
+    image processors and detection losses, which a text model on a CPU rank never runs). Packages already imported
     stay; with a GPU nothing is hidden (torch.compile and SGLang need triton there, and memory is not short)."""
     import torch
 

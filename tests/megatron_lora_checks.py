@@ -159,6 +159,11 @@ def _checkpoint(comm: Any, tr: Any, job: Any, work: str, peft_keys: list[str]) -
         out["ckpt_other_layout"] = ""
     except ConfigError as err:
         out["ckpt_other_layout"] = str(err)
+    try:  # a checkpoint of a run without LoRA (no adapter layout) into this LoRA trainer
+        again.load_checkpoint_state({k: v for k, v in state.items() if k != "lora_layout"})
+        out["ckpt_without_lora"] = ""
+    except ConfigError as err:
+        out["ckpt_without_lora"] = str(err)
     if comm.Get_rank() == 0:
         policy = policy_from_checkpoint(job, state["model"])
         read = {lora.engine_name(n): p.detach() for n, p in lora.trainable(policy)}

@@ -59,7 +59,7 @@ def test_megatron_lora_at_tp2_matches_peft(checks: dict, targets: str) -> None:
 def test_megatron_lora_checkpoint_is_adapter_only_and_resumes_exactly(checks: dict) -> None:
     """The checkpoint holds the adapter (peft's names, as the torch trainer's) and this rank's optimizer state — no
     dist checkpoint of the base; reloaded at TP=2 the next step is the uninterrupted one, bit for bit; another
-    layout is refused in one line; ``milehpc export``'s reader loads it over the rebuilt base as peft's adapter."""
+    layout, or a checkpoint written without LoRA, is refused in one line; ``milehpc export``'s reader loads it over the rebuilt base as peft's adapter."""
     got = checks["default"]
     assert got["ckpt_model_keys"] == ["adapter", "base_fingerprint", "base_source"]
     assert got["ckpt_adapter_is_peft"] and not got["ckpt_dist_dir_written"]
@@ -68,4 +68,5 @@ def test_megatron_lora_checkpoint_is_adapter_only_and_resumes_exactly(checks: di
     assert got["ckpt_resume_loss_diff"] == 0.0 and got["ckpt_resume_vs_uninterrupted"] == 0.0
     assert got["ckpt_steps"] == [2, 2]
     assert got["ckpt_other_layout"].startswith("trainer: a Megatron LoRA checkpoint resumes at the layout")
+    assert got["ckpt_without_lora"].startswith("trainer.lora: this checkpoint was written without [trainer.lora]")
     assert got["export_reader_vs_saved"] == 0.0

@@ -34,7 +34,8 @@ def test_gpu_check_script_runs_on_cpu_with_the_real_engine(tmp_path):
     got = json.loads(out.read_text())
     assert got["sglang"] == "0.5.23" and got["server_args"]["enable_memory_saver"] is False
     assert [s["step"] for s in got["steps"]] == [0, 1]
-    assert got["checks"]["versions_advance"], got["checks"]
-    assert got["checks"]["logprobs_agree"], got  # bf16 on both sides, different kernels: the script's bound
+    assert got["checks"]["versions_advance"] and got["checks"]["weights_equal"], got["checks"]
+    # bf16 on both sides, different kernels (measured: mean 9e-4, max 3.9e-3); the script's own bound is the mean's.
+    assert got["checks"]["logprobs_agree"] and got["logprob_diff_max"] < 1e-2, got
     assert got["colocated_weight_update_gb"] > 0 and got["generation_tokens_per_s"] > 0
     assert json.loads(res.stdout.strip().splitlines()[-1])["wall_s"] > 0

@@ -82,7 +82,8 @@ def test_engine_args_enable_lora_with_a_cpu_backend_on_the_cpu_only() -> None:
     assert gpu == {"enable_lora": True, "max_lora_rank": 16, "lora_target_modules": list(SGLANG_LORA_MODULES),
                    "max_loras_per_batch": 2}
     assert sglang_lora.server_args(spec(), cpu=True)["lora_backend"] == "torch_native"
-    assert sglang_lora.adapter_name(3) != sglang_lora.adapter_name(4)
+    names = {sglang_lora.adapter_name(v, n) for v, n in ((3, 1), (4, 2), (4, 3))}
+    assert len(names) == 3  # a version loaded again gets a name of its own
 
 
 def test_the_adapter_travels_to_the_rollout_rank_not_into_sglangs_update_group() -> None:

@@ -221,6 +221,7 @@ class SGLangEngine:
         self.lora = lora  # [trainer.lora] (LoraSpec): syncs load adapters through SGLang's LoRA API (sglang_lora)
         self.adapter_name: str | None = None  # what every generate request names (None: the base model)
         self.adapter: dict[str, Any] = {}  # the last loaded adapter (peft names)
+        self._adapter_loads = 0  # loads so far: part of each adapter's name, never reused
         self._start()
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -245,13 +246,16 @@ class SGLangEngine:
         # SGLANG_RETURN_ORIGINAL_LOGPROB=1 would return pre-temperature ones and break train–rollout agreement.
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
         before = _children()
-        # A dying scheduler sends SIGQUIT to its parent; SGLang's default handler then kills this whole rank.
+        # A dying scheduler sends SIGQUIT to its parent; SGLang's default handler then kills this whole rank. (The
+        # scheduler unpickles the handler, so it imports this module: that import applies unpin_if_asked there.)
         args = {**self.server_args, "custom_sigquit_handler": sigquit_handler}
         _LIVE.add(self)
         try:
             self._engine = factory(**args)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"SGLang refused the engine arguments: {err}", field="rollout.options") from err
+        finally:
+            os.environ.pop(sglang_lora.UNPIN_ENV, None)  # the scheduler has read it; no later child inherits it
         _report_instead_of_kill(self._engine)
         self._pids = _children() - before
         self._dead_reason = None
@@ -456,11 +460,9 @@ class SGLangEngine:
             return
         tensors = sglang_lora.adapter_tensors(named_tensors, self.lora)
         config = sglang_lora.config_dict(tensors, self.lora)
-        name = sglang_lora.adapter_name(version)
         with self._lock:
-            if self.adapter_name == name:  # the same version again: SGLang cannot load a loaded name
-                self._unload_adapter(name)
-                self.adapter_name = None
+            self._adapter_loads += 1  # a version sent again (a re-sync) loads under a new name too
+            name = sglang_lora.adapter_name(version, self._adapter_loads)
             result = self._call("load_lora_adapter_from_tensors", self._engine.load_lora_adapter_from_tensors,
                                 name, tensors, config)
             _check_result("load_lora_adapter_from_tensors", (result.success, result.error_message))
@@ -562,12 +564,18 @@ class SGLangEngine:
 
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The last synced weights, read back from the engine: the first ``check_weights_truncate`` elements of each
-        (``Engine.get_weights_by_name(name, truncate_size)``); compare against the trainer's flattened prefix."""
+        (``Engine.get_weights_by_name(name, truncate_size)``); compare against the trainer's flattened prefix.
+        With LoRA: the adapter as handed to ``load_lora_adapter_from_tensors`` and its scaling, in the sync's names
+        (SGLang 0.5.23 cannot read a loaded adapter back; the logprob check after each sync is the evidence that it
+        serves it)."""
         import torch
 
         if not self.is_leader:
             return
-        if self.lora is not None:  # the adapter as loaded, in the sync's names (the reference engine's way)
+        if self.lora is not None:
+            from milehpc.rollout.reference import LORA_SCALING
+
+            yield LORA_SCALING, torch.tensor([self.lora.alpha / self.lora.rank], dtype=torch.float64)
             yield from ((n.removeprefix(sglang_lora.PEFT_PREFIX), t) for n, t in self.adapter.items())
             return
         for name in self._last_names:

@@ -28,6 +28,7 @@ speeds up host-to-GPU copies, of which a CPU engine has none); a GPU engine is n
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -60,9 +61,10 @@ def server_args(spec: LoraSpec, *, cpu: bool) -> dict[str, Any]:
     return args
 
 
-def adapter_name(version: int) -> str:
-    """The name SGLang knows version ``version``'s adapter by (a loaded name cannot be loaded again)."""
-    return f"milehpc-policy-v{version}"
+def adapter_name(version: int, load: int) -> str:
+    """The name SGLang knows the ``load``-th loaded adapter by, of weight version ``version`` (a loaded name cannot be
+    loaded again, and a re-sent version must load before the one it replaces is unloaded)."""
+    return f"milehpc-policy-v{version}-{load}"
 
 
 def module_kind(name: str) -> str:
@@ -78,7 +80,7 @@ def adapter_tensors(named: Iterable[tuple[str, torch.Tensor]], spec: LoraSpec) -
     out: dict[str, Any] = {}
     for name, tensor in named:
         if name == LORA_SCALING:
-            if abs(float(tensor.reshape(-1)[0]) - spec.alpha / spec.rank) > 1e-12:
+            if not math.isclose(float(tensor.reshape(-1)[0]), spec.alpha / spec.rank, rel_tol=1e-6):
                 raise RuntimeFailure(f"the synced adapter's scaling {float(tensor.reshape(-1)[0])} is not "
                                      f"[trainer.lora] alpha / rank = {spec.alpha / spec.rank}")
             continue

@@ -306,8 +306,7 @@ class ColocatedStep:
         last snapshot), then ``produce()`` generates, then the rollout side is offloaded."""
         self.report = StepReport()
         if not self.engine.health():
-            self.engine.restart()  # comes back resident, with the checkpoint's (or random) weights
-            self.engine_resident = True
+            self._restart_engine()
             self.update_weights(self.trainer.version)
         out = self._timed("generate", produce)
         self.offload_rollout()

@@ -197,6 +197,7 @@ class MegatronTrainer:
             self.teacher, self.teacher_vocab = teacher.build(self)
         # The base frozen, adapters on its linear layers (after the reference copied the base).
         self.adapters = self._attach_lora(*lora_init) if lora_init is not None else []
+        self.sync_bytes = 0  # of the last adapter export (LoRA)
         # Colocated (or asked to) on a GPU: the frozen models (reference, teacher) wait in CPU memory between uses.
         self.ref_offload = ((bool(job.resources.colocate) or bool(job.trainer.options.get("offload_frozen", False)))
                             and self.device.type == "cuda")
@@ -679,8 +680,6 @@ class MegatronTrainer:
             return self._export_adapter(grads=grads)
         return self.export_module(self.module, self.arch, moe_layout=moe_layout, grads=grads)
 
-    sync_bytes = 0  # of the last adapter export (LoRA)
-
     def _export_adapter(self, *, grads: bool) -> list[tuple[str, torch.Tensor]]:
         import torch
 
@@ -794,6 +793,10 @@ class MegatronTrainer:
         # Set by LoopCheckpoint when the checkpoint was written at another TP/PP/DP layout: ``state`` is then trainer
         # rank 0's (version, steps, dist checkpoint path); model and optimizer are resharded by dist_checkpointing.
         resharded = bool(state.get("resharded"))
+        if ("lora_layout" in state) != bool(self.adapters):
+            raise ConfigError(f"this checkpoint was written {'with' if 'lora_layout' in state else 'without'} "
+                              f"[trainer.lora]: expected the job to {'keep' if 'lora_layout' in state else 'leave out'}"
+                              " [trainer.lora] to resume it", field="trainer.lora")
         if self.adapters:
             self._load_lora_state(state)
         elif "dist_checkpoint" in state:
