@@ -54,7 +54,9 @@ def find_repo(arg: str | None) -> Path:
 
 class PeakRSS:
     """Peaks of the summed RSS and of the summed PSS of a process and all its descendants, and of each process's
-    own RSS, sampled every 0.1 s."""
+    own RSS. RSS is sampled every 0.1 s (``/proc/PID/statm``: cheap); PSS (``smaps_rollup``, a walk of the process's
+    page tables under its memory-map lock, which can stall its allocations) only when the summed RSS reaches a new
+    peak, at most once a second."""
 
     def __init__(self, pid: int) -> None:
         import psutil
@@ -67,27 +69,37 @@ class PeakRSS:
     def _poll(self) -> None:
         import psutil
 
+        last_pss = 0.0
         while not self._stop.wait(0.1):
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
-            total = pss = 0
             cmds = {}
             for p in procs:
                 with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
                     cmds[p.pid] = p.cmdline()
+            live = []
+            total = 0
             for p in procs:
                 with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):  # a rank that ended meanwhile
                     if p.pid in cmds and cmds[p.pid] == cmds.get(p.ppid()):
                         # forked, not yet exec'd (a rank runs `uname -p` when h5py is first imported): its pages
                         # are its parent's, RSS would count them twice
                         continue
-                    mem = p.memory_full_info()  # reads smaps_rollup: RSS and PSS of one instant
-                    total, pss = total + mem.rss, pss + mem.pss
+                    rss = p.memory_info().rss
+                    total += rss
+                    live.append(p)
                     name, peak = self.each.get(p.pid) or (_role(p), 0)
-                    self.each[p.pid] = (name, max(peak, mem.rss))
-            self.peak, self.peak_pss = max(self.peak, total), max(self.peak_pss, pss)
+                    self.each[p.pid] = (name, max(peak, rss))
+            if total > self.peak and time.monotonic() - last_pss >= 1.0:
+                last_pss = time.monotonic()
+                pss = 0
+                for p in live:
+                    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                        pss += p.memory_full_info().pss
+                self.peak_pss = max(self.peak_pss, pss)
+            self.peak = max(self.peak, total)
 
     def stop(self) -> dict[str, Any]:
         """``{"rss": MiB, "pss": MiB, "each": {role: MiB}}``: the tree's peaks and each process's."""
