@@ -636,8 +636,10 @@ def plot(run_dir: str, output: str | None, metric: str) -> None:
 @click.option("-o", "--output", "out", required=True, type=click.Path(), metavar="DIR", help="the folder to write")
 @click.option("--step", type=click.IntRange(min=0), metavar="N", help="the checkpoint of step N (default: newest)")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="weights' dtype (default: as trained)")
-@click.option("--adapter", is_flag=True, help="LoRA run: the peft adapter folder alone")
-@click.option("--merged", is_flag=True, help="LoRA run: the base with the adapter merged (the default for LoRA)")
+@click.option("--adapter", is_flag=True, help="LoRA run: the peft adapter folder alone (multi-LoRA: DIR/NAME/ for "
+                                              "each adapter)")
+@click.option("--merged", is_flag=True, help="LoRA run: the base with the adapter merged (the default for LoRA; "
+                                             "multi-LoRA: one merged folder DIR/NAME/ per adapter)")
 @click.option("--force", is_flag=True, help="replace a non-empty DIR")
 def export(run_dir: str, out: str, step: int | None, dtype: str | None, adapter: bool, merged: bool,
            force: bool) -> None:

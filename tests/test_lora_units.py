@@ -6,12 +6,11 @@ interrupted run resumes bitwise equal."""
 from __future__ import annotations
 
 import copy
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
+from local_interrupt import run_cut_and_resumed
 from required import require_module
 
 from milehpc.checkpoint import list_checkpoints
@@ -20,7 +19,6 @@ from milehpc.config.load import job_from_dict
 from milehpc.data.tokenizer import build_tokenizer
 from milehpc.errors import ConfigError
 from milehpc.rollout.reference import build_engine
-from milehpc.runtime import signals
 from milehpc.runtime.loop import run_local
 from milehpc.samples import Sample
 from milehpc.train.torch_trainer import TorchTrainer
@@ -143,18 +141,7 @@ def test_an_interrupted_lora_run_resumes_bitwise_equal(tmp_path: Path) -> None:
     assert len(state["optimizer"]["state"]) == len(state["model"]["adapter"])  # no base in the moments
 
     run_dir = tmp_path / "cut"
-    previous = signals.forward_signals(run_dir, (signal.SIGUSR1,))
-    try:
-        def stop_after_2(step: int, metrics: dict) -> None:
-            if step == 1:
-                os.kill(os.getpid(), signal.SIGUSR1)
-
-        with pytest.raises(signals.RequeueExit):
-            run_local(job, run_dir, on_step=stop_after_2, checkpointing=True)
-        run_local(job, run_dir, checkpointing=True)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    run_cut_and_resumed(job, run_dir, stop_after=1)
     got = _final(run_dir)
     assert got.keys() == want.keys()
     assert [k for k in got if not torch.equal(got[k], want[k])] == []

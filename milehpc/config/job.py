@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -13,6 +14,7 @@ from milehpc.plugin_types import schema_defaults
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 TIME = r"(\d+-)?\d{1,2}:\d{2}:\d{2}|\d+"  # Slurm: [D-]HH:MM:SS or minutes
 ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+ADAPTER_NAME = r"[A-Za-z][A-Za-z0-9_]{0,31}"
 
 
 @dataclass
@@ -78,6 +80,28 @@ class RolloutSpec:
 
 
 @dataclass
+class AdapterSpec:
+    """``[trainer.lora.adapters.NAME]``: one of several adapters trained in one job on one base (multi-LoRA), with its
+    own prompts, reward and optimizer; rank, alpha, dropout and target modules are ``[trainer.lora]``'s."""
+
+    source: str = opt(help="this adapter's prompts: 'task:NAME' or a local file (as data.source; the other [data] "
+                           "settings apply)")
+    params: dict[str, Any] = opt({}, help="the task's parameters (as data.params)")
+    reward: Any = opt("", help="a reward name or a table {name, params}; empty = the source task's own reward, "
+                               "else reward.name")
+    lr: float | None = opt(None, min=0.0, help="this adapter's peak LR; unset = trainer.lr")
+    weight_decay: float | None = opt(None, min=0.0, help="unset = trainer.weight_decay")
+    prompts_per_step: int | None = opt(None, min=1, help="this adapter's prompts per step; unset = an even share of "
+                                                         "what the other adapters leave of rollout.prompts_per_step")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        name, params = reward_route(self.reward) if self.reward != "" else ("", {})
+        if (self.reward != "" and not name) or not isinstance(params, dict):
+            raise ConfigError(f"expected a reward name or a table {{name, params}}, got {self.reward!r}", file=file,
+                              field=f"{prefix}.reward")
+
+
+@dataclass
 class LoraSpec:
     """``[trainer.lora]``: train low-rank adapters (``peft``) on a frozen base instead of the whole model."""
 
@@ -89,11 +113,32 @@ class LoraSpec:
         help="linear layers that get adapters: fnmatch patterns of module names; a pattern without '.' also "
              "matches the last part of a name ('q_proj' matches model.layers.0.self_attn.q_proj)")
     modules_to_save: list[str] = opt([], help="modules trained in full and synced with the adapter (e.g. lm_head)")
+    adapters: dict[str, AdapterSpec] = opt({}, help="multi-LoRA: several named adapters, each with its own prompts, "
+                                                    "reward and optimizer ([trainer.lora.adapters.NAME]); "
+                                                    "empty = one adapter on [data]")
 
     def validate(self, *, file: str | None, prefix: str) -> None:
         if not self.target_modules:
             raise ConfigError("expected at least one module name pattern, got []", file=file,
                               field=f"{prefix}.target_modules")
+        for name in self.adapters:
+            # The name travels in tensor names (module.lora_A.NAME.weight) and becomes an export folder.
+            if not re.fullmatch(ADAPTER_NAME, name) or name == "default":
+                raise ConfigError(f"expected an adapter name of letters, digits and '_' (not 'default', peft's "
+                                  f"name of a lone adapter), got {name!r}", file=file, field=f"{prefix}.adapters.{name}")
+        if len(self.adapters) == 1:
+            raise ConfigError(f"expected two or more adapters (one adapter: [trainer.lora] on [data] alone), got "
+                              f"{list(self.adapters)}", file=file, field=f"{prefix}.adapters")
+
+
+def adapter_prompts(spec: LoraSpec, prompts_per_step: int) -> dict[str, int]:
+    """Each adapter's prompts per step: its own ``prompts_per_step``, or an even share (the first ones take the
+    remainder) of what those leave of ``prompts_per_step``; a share below 1 is 0 (the job rules refuse it)."""
+    fixed = {n: a.prompts_per_step for n, a in spec.adapters.items() if a.prompts_per_step is not None}
+    rest = [n for n in spec.adapters if n not in fixed]
+    left = prompts_per_step - sum(fixed.values())
+    share, extra = divmod(max(left, 0), len(rest)) if rest else (0, 0)
+    return {n: fixed[n] if n in fixed else share + (rest.index(n) < extra) for n in spec.adapters}
 
 
 @dataclass

@@ -330,10 +330,16 @@ def lora_fits_the_trainer(job: JobSpec, file: str | None) -> None:
     trainer.precision × model.num_experts: the torch trainer's peft adapters train under DDP (peft under FSDP2
     sharding is not built); the Megatron trainer's TP-sharded adapters (milehpc.train.megatron.lora) train a dense
     model at any TP x DP on the local layer spec — no pipeline stages, distributed optimizer, transformer-engine
-    layers, adapter dropout or modules_to_save yet."""
+    layers, adapter dropout or modules_to_save yet. Several adapters (trainer.lora.adapters) train on one torch
+    trainer rank (milehpc.train.multi_lora: one optimizer per adapter; DP over them is not built)."""
     spec, tr = job.trainer.lora, job.trainer
     if spec is None:
         return
+    if spec.adapters and (tr.backend != "torch" or tr.ranks > 1):
+        field, got = ("trainer.backend", repr(tr.backend)) if tr.backend != "torch" else ("trainer.dp", tr.ranks)
+        raise ConfigError(f"several adapters train on one rank of the torch trainer (each adapter steps its own "
+                          f"optimizer; DP and Megatron are not built for them): expected trainer.backend = 'torch' "
+                          f"with trainer.dp = 1, got {got}", file=file, field=field)
     if tr.backend == "torch":
         if tr.ranks > 1 and _trainer_options(job, file)["fsdp"]:
             raise ConfigError("[trainer.lora] trains under DDP: expected trainer.options.fsdp = false with several "
@@ -376,8 +382,11 @@ def lora_rolls_out_where_adapters_load(job: JobSpec, file: str | None) -> None:
     """trainer.lora × rollout.engine × trainer.lora.modules_to_save × trainer.lora.target_modules × model.num_experts:
     the reference engine merges any synced adapter; SGLang loads adapter matrices through its LoRA API (milehpc.
     rollout.sglang_lora) — on a dense model, not modules trained in full, and only on the module kinds it has LoRA
-    layers for (a pattern with wildcards in its last part is resolved on the ranks and checked there)."""
+    layers for (a pattern with wildcards in its last part is resolved on the ranks and checked there). Several
+    adapters (trainer.lora.adapters × rollout.* × run.eval_every × reward.by_source): :func:`_adapters_roll_out`."""
     spec = job.trainer.lora
+    if spec is not None and spec.adapters:
+        _adapters_roll_out(job, file)
     if spec is None or job.rollout.engine in REFERENCE_ENGINES:
         return
     if job.rollout.engine != "sglang":
@@ -400,6 +409,60 @@ def lora_rolls_out_where_adapters_load(job: JobSpec, file: str | None) -> None:
         raise ConfigError(f"expected modules SGLang's LoRA adapts ({', '.join(SGLANG_LORA_MODULES)}; q_proj and "
                           f"v_proj together, SGLang stacks q/k/v), got {got}", file=file,
                           field="trainer.lora.target_modules")
+
+
+def _adapters_roll_out(job: JobSpec, file: str | None) -> None:
+    """Several adapters: the reference engine generates each adapter's prompts with that adapter merged, in plain
+    generation rounds (no partial rollouts or custom generators: a continuation would not know its adapter); each
+    adapter's source, params and reward fit their plugins, and every adapter gets at least one prompt per step."""
+    from milehpc.config.job import adapter_prompts, reward_route
+
+    spec, ro = job.trainer.lora, job.rollout
+    assert spec is not None
+    refused = [
+        (ro.engine != "reference", "rollout.engine", f"expected rollout.engine = 'reference' with several adapters "
+                                                     f"(it merges each adapter for its prompts), got {ro.engine!r}"),
+        (ro.partial_rollout, "rollout.partial_rollout", "expected rollout.partial_rollout = false with several "
+                                                        "adapters, got true"),
+        (ro.generator is not None, "rollout.generator", f"expected no rollout.generator with several adapters (the "
+                                                        f"built-in generation routes them), got {ro.generator!r}"),
+        (job.run.eval_every > 0, "run.eval_every", f"expected run.eval_every = 0 with several adapters (evaluation "
+                                                   f"per adapter is not built), got {job.run.eval_every}"),
+        (bool(job.reward.by_source), "reward.by_source", "expected no reward.by_source with several adapters (each "
+                                                         "adapter names its reward), got a table"),
+    ]
+    for broken, field, message in refused:
+        if broken:
+            raise ConfigError(message, file=file, field=field)
+    quotas = adapter_prompts(spec, ro.prompts_per_step)
+    total = sum(quotas.values())
+    for name, adapter in spec.adapters.items():
+        where = f"trainer.lora.adapters.{name}"
+        if quotas[name] < 1 or total > ro.prompts_per_step or (total < ro.prompts_per_step and all(
+                a.prompts_per_step is not None for a in spec.adapters.values())):
+            raise ConfigError(f"expected the adapters' prompts_per_step to share rollout.prompts_per_step "
+                              f"({ro.prompts_per_step}) with at least 1 each, got {quotas}", file=file,
+                              field=f"{where}.prompts_per_step")
+        task = ""
+        if adapter.source.startswith("task:"):
+            _plugin_params("task", adapter.source.removeprefix("task:"), adapter.params, file,
+                           field=f"{where}.source", prefix=f"{where}.params")
+            from milehpc import plugins
+
+            if plugins.registry("task"):
+                task = plugins.lookup("task", adapter.source.removeprefix("task:"), file=file,
+                                      field=f"{where}.source").reward
+        elif adapter.params:
+            raise ConfigError(f"a file source takes no parameters: expected {where}.params = {{}}, got "
+                              f"{sorted(adapter.params)}", file=file, field=f"{where}.params")
+        name_, params = reward_route(adapter.reward) if adapter.reward != "" else ("", {})
+        reward = name_ or task or job.reward.name
+        if not reward:
+            raise ConfigError("expected a reward: the source has none of its own and reward.name is empty", file=file,
+                              field=f"{where}.reward")
+        if ":" not in reward:
+            _plugin_params("reward", reward, params if name_ else ({} if task else job.reward.params), file,
+                           field=f"{where}.reward", prefix=f"{where}.reward.params")
 
 
 # Options first (later rules read them); the first rule broken is the one reported.

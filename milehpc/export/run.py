@@ -83,20 +83,25 @@ def policy_weights(source: Source) -> dict[str, torch.Tensor]:
     if source.job.trainer.lora is not None:
         from milehpc.train.lora_export import policy_from_checkpoint
 
+        if source.job.trainer.lora.adapters:
+            raise ConfigError(f"a multi-LoRA run has one policy per adapter: expected one of them, exported with "
+                              f"`milehpc export RUN -o OUT --merged` (OUT/<adapter>/), got the run "
+                              f"({', '.join(source.job.trainer.lora.adapters)})", file=str(source.run_dir / "job.json"),
+                              field="trainer.lora.adapters")
         return dict(policy_from_checkpoint(source.job, source.trainer["model"]).merge_and_unload().state_dict())
     from milehpc.data.tokenizer import build_tokenizer
 
     return _weights(source, _hf_config(source, build_tokenizer(source.job.model.tokenizer)))
 
 
-def _model(source: Source, kind: str, hf_config: Any) -> Any:
-    """The HF model to write: the checkpoint's weights, or a LoRA run's base with the adapter merged in (or the
-    peft model itself, for ``--adapter``)."""
+def _model(source: Source, kind: str, hf_config: Any, adapter: str | None = None) -> Any:
+    """The HF model to write: the checkpoint's weights, or a LoRA run's base with the adapter (of a multi-LoRA run:
+    the named ``adapter``) merged in (or the peft model itself, for ``--adapter``)."""
     if kind == MODEL:
         return folder.hf_model(hf_config, _weights(source, hf_config))
     from milehpc.train.lora_export import policy_from_checkpoint
 
-    policy = policy_from_checkpoint(source.job, source.trainer["model"])
+    policy = policy_from_checkpoint(source.job, source.trainer["model"], adapter)
     return policy if kind == ADAPTER else policy.merge_and_unload()
 
 
@@ -121,12 +126,32 @@ def _provenance(source: Source, kind: str, dtype: str) -> dict[str, Any]:
     return record
 
 
+def _write(source: Source, kind: str, model: Any, tmp: Path, tok: Any, dtype: str | None, notes: list[str]) -> str:
+    """One folder: the model (or the peft adapter), the tokenizer and the provenance; returns the dtype written."""
+    if kind == ADAPTER:
+        if dtype is not None:
+            model = model.to(folder.torch_dtype(dtype))
+        model.save_pretrained(str(tmp))
+        written = str(next(p for n, p in model.named_parameters() if "lora_" in n).dtype).removeprefix("torch.")
+    else:
+        written = folder.write_model(model, tmp, dtype=dtype, generation=_generation_config(source, tok))
+    write_tokenizer(tok, tmp)
+    other = loads_alike(tmp, tok)
+    if other is not None and not any(n.startswith("transformers loads the exported tokenizer") for n in notes):
+        notes.append(f"transformers loads the exported tokenizer as {other}, which splits text unlike the run's "
+                     f"tokenizer; serve with the run's own (e.g. SGLang --tokenizer-path "
+                     f"{source.job.model.tokenizer})")
+    folder.write_provenance(tmp, _provenance(source, kind, written))
+    return written
+
+
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None, dtype: str | None = None,
                adapter: bool = False, merged: bool = False, force: bool = False) -> Exported:
     """Write checkpoint ``step`` (default: the newest) of the run in ``run_dir`` into the folder ``out``.
 
     ``dtype`` (fp32 | bf16 | fp16): the weights' dtype in the folder (default: as trained). A LoRA run gives the merged
-    model unless ``adapter`` asks for the peft adapter folder."""
+    model unless ``adapter`` asks for the peft adapter folder; a multi-LoRA run one such folder per adapter,
+    ``out/<adapter>/``."""
     from milehpc.data.tokenizer import build_tokenizer
 
     out = Path(out)
@@ -138,21 +163,15 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     kind = _kind(source, adapter, merged, notes)
     tok = build_tokenizer(source.job.model.tokenizer)
     hf_config = _hf_config(source, tok)
-    model = _model(source, kind, hf_config)
+    adapters = list(source.job.trainer.lora.adapters) if source.job.trainer.lora is not None else []
     with folder.staged(out, force=force) as tmp:
-        if kind == ADAPTER:
-            if dtype is not None:
-                model = model.to(folder.torch_dtype(dtype))
-            model.save_pretrained(str(tmp))
-            written = str(next(p for n, p in model.named_parameters() if "lora_" in n).dtype).removeprefix("torch.")
+        if adapters:  # multi-LoRA: a folder per adapter
+            written = ""
+            for name in adapters:
+                (tmp / name).mkdir()
+                written = _write(source, kind, _model(source, kind, hf_config, name), tmp / name, tok, dtype, notes)
+            files = sorted(f"{name}/{p.name}" for name in adapters for p in (tmp / name).iterdir())
         else:
-            written = folder.write_model(model, tmp, dtype=dtype, generation=_generation_config(source, tok))
-        write_tokenizer(tok, tmp)
-        other = loads_alike(tmp, tok)
-        if other is not None:
-            notes.append(f"transformers loads the exported tokenizer as {other}, which splits text unlike the run's "
-                         f"tokenizer; serve with the run's own (e.g. SGLang --tokenizer-path "
-                         f"{source.job.model.tokenizer})")
-        folder.write_provenance(tmp, _provenance(source, kind, written))
-        files = sorted(p.name for p in tmp.iterdir())
+            written = _write(source, kind, _model(source, kind, hf_config), tmp, tok, dtype, notes)
+            files = sorted(p.name for p in tmp.iterdir())
     return Exported(out, kind, source.info.step, source.weight_version, written, files, notes)

@@ -22,6 +22,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1  # samples per prompt
     seed: int | None = None
+    adapter: str | None = None  # multi-LoRA: generate with this adapter (the reference engine merges it)
 
 
 class Engine(Protocol):

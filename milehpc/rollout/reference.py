@@ -10,6 +10,13 @@ LoRA (``[trainer.lora]``): a sync carries adapter tensors named ``<module>.lora_
 (so the engine needs no job config to apply them). The engine keeps a copy of the base weight of each adapted
 module and sets the module's weight to ``base + (B @ A) * scaling``, the very expression (and rounding) of peft's
 own merge, so a new adapter replaces the old one exactly instead of piling up on it.
+
+Multi-LoRA (``[trainer.lora.adapters]``): each adapter arrives under its name (``<module>.lora_A.<NAME>.weight``,
+``lora.scaling.<NAME>``, a module trained in full ``<module>.modules_to_save.<NAME>.weight``); the engine keeps the
+base once plus every adapter and merges the adapter a generation asks for (``SamplingParams.adapter``) into the
+adapted weights from the kept base, by the same expression (a module trained in full: its copy replaces the base's):
+exact, whichever adapter was merged before. An adapter not synced yet generates with the base (a fresh adapter is
+B = 0, a module to save starts as the base's).
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class ReferenceEngine:
         self.tokens_generated = 0
         self.adapter: dict[str, torch.Tensor] = {}  # the last synced adapter tensors (engine names)
         self._lora_base: dict[str, torch.Tensor] = {}  # weight name -> the base weight under its adapter
+        self._adapted: dict[str, set[str]] = {}  # multi-LoRA: adapter name -> the weights it changes
+        self._active: str | None = None  # multi-LoRA: the adapter merged now (None: none, or a stale merge)
         # transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name warns); 4.x knows only the old.
         import inspect
 
@@ -74,6 +83,8 @@ class ReferenceEngine:
                  samples: list[Sample] | None = None) -> list[Sample]:
         """``sampling.n`` samples per prompt (prompt-major order; ``group`` = prompt position), or, with
         ``samples``, continue each given sample by up to ``sampling.max_new_tokens`` more tokens."""
+        if sampling.adapter is not None:
+            self.use_adapter(sampling.adapter)
         if samples is not None:
             contexts = [s.prompt_ids + s.response_ids for s in samples]
             out = samples
@@ -171,6 +182,9 @@ class ReferenceEngine:
         with torch.no_grad():
             for name, tensor in named_tensors:
                 weight = _adapted_weight(name)
+                if weight is None and (named := _named_adapter(name)) is not None:
+                    self._receive_named(name, named, tensor, state)
+                    continue
                 if name == LORA_SCALING or weight is not None:
                     if weight is not None and weight not in state:
                         raise KeyError(f"the engine's model has no parameter {weight!r} for the adapter {name!r}")
@@ -185,17 +199,54 @@ class ReferenceEngine:
                     merge.add(name)
                 else:
                     state[name].copy_(tensor)
-            for weight in sorted(merge):
-                self._merge(weight, state[weight])
+            if self._adapted:  # multi-LoRA: the next generation merges its adapter afresh
+                self._active = None
+            else:
+                for weight in sorted(merge):
+                    self._merge(weight, state[weight])
         self.version = version
 
-    def _merge(self, weight: str, target: torch.Tensor) -> None:
-        """``target = base + (B @ A) * scaling`` (peft's ``get_delta_weight`` and merge, bit for bit)."""
+    def _receive_named(self, name: str, named: tuple[str, str | None], tensor: torch.Tensor,
+                       state: dict[str, torch.Tensor]) -> None:
+        """Keep one tensor of a named adapter (multi-LoRA); merged when a generation asks for that adapter."""
+        adapter, weight = named
+        if weight is not None:
+            if weight not in state:
+                raise KeyError(f"the engine's model has no parameter {weight!r} for the adapter {name!r}")
+            self._adapted.setdefault(adapter, set()).add(weight)
+        self.adapter[name] = tensor.detach().clone()
+
+    def use_adapter(self, adapter: str) -> None:
+        """Merge ``adapter`` (multi-LoRA) into the adapted weights, from the kept base; the base alone while it was
+        never synced."""
+        if adapter == self._active:
+            return
+        import torch
+
+        state = self.model.state_dict()
+        weights = self._adapted.get(adapter)
+        with torch.no_grad():
+            for weight, base in self._lora_base.items():  # another adapter's delta off every weight
+                if weights is None or weight not in weights:
+                    state[weight].copy_(base)
+            for weight in sorted(weights or ()):
+                full = self.adapter.get(f"{weight.removesuffix('.weight')}.modules_to_save.{adapter}.weight")
+                if full is None:
+                    self._merge(weight, state[weight], adapter)
+                else:  # trained in full by this adapter: its own copy
+                    self._lora_base.setdefault(weight, state[weight].detach().clone())
+                    state[weight].copy_(full)
+        self._active = adapter
+
+    def _merge(self, weight: str, target: torch.Tensor, adapter: str | None = None) -> None:
+        """``target = base + (B @ A) * scaling`` (peft's ``get_delta_weight`` and merge, bit for bit) with the one
+        adapter, or with the named ``adapter`` of a multi-LoRA job."""
         module = weight.removesuffix(".weight")
-        a, b = self.adapter.get(f"{module}.lora_A.weight"), self.adapter.get(f"{module}.lora_B.weight")
+        mid = "" if adapter is None else f".{adapter}"
+        a, b = self.adapter.get(f"{module}.lora_A{mid}.weight"), self.adapter.get(f"{module}.lora_B{mid}.weight")
         if a is None or b is None:
             raise KeyError(f"adapter of {module!r} incomplete: a sync must carry both lora_A and lora_B")
-        scaling = self.adapter.get(LORA_SCALING)
+        scaling = self.adapter.get(LORA_SCALING + mid)
         if scaling is None:
             raise KeyError(f"adapter of {module!r} arrived without {LORA_SCALING!r}")
         base = self._lora_base.setdefault(weight, target.detach().clone())
@@ -242,6 +293,20 @@ def _adapted_weight(name: str) -> str | None:
     for part in (".lora_A.weight", ".lora_B.weight"):
         if name.endswith(part):
             return name.removesuffix(part) + ".weight"
+    return None
+
+
+def _named_adapter(name: str) -> tuple[str, str | None] | None:
+    """A multi-LoRA tensor name -> (adapter, the weight it changes; None for its scaling); else None:
+    ``m.lora_A.NAME.weight`` (or ``m.modules_to_save.NAME.weight``) -> (NAME, ``m.weight``), ``lora.scaling.NAME``
+    -> (NAME, None)."""
+    if name.startswith(LORA_SCALING + "."):
+        return name.removeprefix(LORA_SCALING + "."), None
+    if name.endswith(".weight"):
+        head, _, adapter = name.removesuffix(".weight").rpartition(".")
+        for part in (".lora_A", ".lora_B", ".modules_to_save"):
+            if head.endswith(part):
+                return adapter, head.removesuffix(part) + ".weight"
     return None
 
 

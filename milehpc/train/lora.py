@@ -53,46 +53,71 @@ def target_names(model: Any, patterns: list[str]) -> list[str]:
     return found
 
 
+def adapter_names(spec: LoraSpec) -> list[str]:
+    """The peft adapter names of a job: its named adapters (multi-LoRA), or peft's one ``default``."""
+    return list(spec.adapters) or [ADAPTER]
+
+
 def attach(model: Any, spec: LoraSpec, *, seed: int) -> Any:
     """``model`` wrapped by peft with fresh adapters (B = 0: the policy is the base until the first step). peft draws
-    A from the global RNG: seeded here, so every rank and every rerun of the job starts from the same adapter."""
+    A from the global RNG: seeded here, so every rank and every rerun of the job starts from the same adapter.
+    Several adapters (``spec.adapters``): one peft adapter per name, the i-th drawn from ``seed + i``, all of them
+    trainable (each adapter's optimizer holds its own)."""
     import torch
 
     peft = _peft()
     config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                              target_modules=target_names(model, spec.target_modules),
                              modules_to_save=list(spec.modules_to_save) or None, bias="none")
+    names = adapter_names(spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return peft.get_peft_model(model, config)
+        module = peft.get_peft_model(model, config, adapter_name=names[0])
+        for i, name in enumerate(names[1:], 1):
+            torch.manual_seed(seed + i)
+            module.add_adapter(name, config)
+    if len(names) > 1:
+        module.base_model.set_adapter(names[0])
+        for _, param in trainable(module, names):
+            param.requires_grad_(True)  # peft freezes the inactive ones; each optimizer steps only its own
+    return module
 
 
 def engine_name(name: str) -> str:
-    """peft's parameter name -> the name the engine (and a saved peft adapter, prefix aside) uses."""
+    """peft's parameter name -> the name the engine (and a saved peft adapter, prefix aside) uses. A named adapter
+    of a multi-LoRA job keeps its name where peft has it: ``<module>.lora_A.<adapter>.weight``."""
     name = name.removeprefix(PEFT_PREFIX)
     for part in ("lora_A", "lora_B"):
         name = name.replace(f".{part}.{ADAPTER}.", f".{part}.")
     return name.replace(f".modules_to_save.{ADAPTER}.", ".")
 
 
-ADAPTER_PARTS = (f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}.", f".modules_to_save.{ADAPTER}.")
+def adapter_parts(adapter: str) -> tuple[str, ...]:
+    return (f".lora_A.{adapter}.", f".lora_B.{adapter}.", f".modules_to_save.{adapter}.")
 
 
-def trainable(module: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    """The adapter's parameters (peft names), in a fixed order: what the optimizer, the checkpoint and the sync
-    hold. By name, not ``requires_grad``: the frozen KL reference copy has adapters too."""
-    return [(n, p) for n, p in module.named_parameters() if any(part in n for part in ADAPTER_PARTS)]
+ADAPTER_PARTS = adapter_parts(ADAPTER)
 
 
-def export(module: Any, spec: LoraSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """The adapter in engine names and its scaling: all that a sync moves."""
+def trainable(module: Any, adapters: list[str] | None = None) -> list[tuple[str, torch.nn.Parameter]]:
+    """The adapters' parameters (peft names; default: peft's one ``default`` adapter), in a fixed order: what the
+    optimizer, the checkpoint and the sync hold. By name, not ``requires_grad``: the frozen KL reference copy has
+    adapters too."""
+    parts = ADAPTER_PARTS if adapters is None else tuple(p for a in adapters for p in adapter_parts(a))
+    return [(n, p) for n, p in module.named_parameters() if any(part in n for part in parts)]
+
+
+def export(module: Any, spec: LoraSpec, adapter: str = ADAPTER) -> Iterator[tuple[str, torch.Tensor]]:
+    """One adapter in engine names and its scaling: all that a sync moves (a named adapter's scaling is
+    ``lora.scaling.<adapter>``)."""
     import torch
 
     from milehpc.rollout.reference import LORA_SCALING
 
     # float64: alpha / rank exactly as the Python float peft multiplies by.
-    yield LORA_SCALING, torch.tensor([spec.alpha / spec.rank], dtype=torch.float64)
-    for name, param in trainable(module):
+    scaling = LORA_SCALING if adapter == ADAPTER else f"{LORA_SCALING}.{adapter}"
+    yield scaling, torch.tensor([spec.alpha / spec.rank], dtype=torch.float64)
+    for name, param in trainable(module, None if adapter == ADAPTER else [adapter]):
         yield engine_name(name), param.detach()
 
 
@@ -124,20 +149,23 @@ def nbytes(named: list[tuple[str, torch.Tensor]] | Any) -> int:
     return sum(t.numel() * t.element_size() for _, t in named)
 
 
-def checkpoint_state(module: Any, *, source: str, base_fingerprint: str) -> dict[str, Any]:
-    """Adapter-only model state (peft names) plus the base's source and fingerprint."""
-    return {"adapter": {n: p.detach().clone() for n, p in trainable(module)}, "base_source": source,
+def checkpoint_state(module: Any, *, source: str, base_fingerprint: str,
+                     adapters: list[str] | None = None) -> dict[str, Any]:
+    """Adapter-only model state (peft names: a multi-LoRA job's carry each adapter's name) plus the base's source and
+    fingerprint."""
+    return {"adapter": {n: p.detach().clone() for n, p in trainable(module, adapters)}, "base_source": source,
             "base_fingerprint": base_fingerprint}
 
 
-def load_checkpoint_state(module: Any, state: dict[str, Any], *, base_fingerprint: str) -> None:
+def load_checkpoint_state(module: Any, state: dict[str, Any], *, base_fingerprint: str,
+                          adapters: list[str] | None = None) -> None:
     """Inverse of :func:`checkpoint_state`; refuses a checkpoint written over another base."""
     import torch
 
     if state["base_fingerprint"] != base_fingerprint:
         raise ConfigError(f"expected the base the LoRA checkpoint was trained on ({state['base_source']}), got "
                           "other base weights", field="model")
-    params = dict(trainable(module))
+    params = dict(trainable(module, adapters))
     adapter = state["adapter"]
     if set(adapter) != set(params):
         missing, extra = sorted(set(params) - set(adapter)), sorted(set(adapter) - set(params))

@@ -13,19 +13,30 @@ if TYPE_CHECKING:
     from milehpc.config.job import JobSpec
 
 
-def policy_from_checkpoint(job: JobSpec, model_state: dict[str, Any]) -> Any:
+def policy_from_checkpoint(job: JobSpec, model_state: dict[str, Any], adapter: str | None = None) -> Any:
     """The peft model the torch trainer held when it saved ``model_state`` (adapter-only, see
     :func:`milehpc.train.lora.checkpoint_state`): the job's base, built as the trainer builds it, with the adapter
-    loaded (refused when the base differs from the one it was trained on)."""
+    loaded (refused when the base differs from the one it was trained on). A multi-LoRA run: the named ``adapter``
+    alone, as peft's one ``default`` adapter (so it saves as a plain adapter folder and merges alone)."""
+    from dataclasses import replace
+
     from milehpc.data.tokenizer import build_tokenizer
     from milehpc.models import build_model
 
-    if job.trainer.lora is None:
+    spec = job.trainer.lora
+    if spec is None:
         raise ConfigError("expected a run with [trainer.lora], got none", field="trainer.lora")
+    if spec.adapters and adapter not in spec.adapters:
+        raise ConfigError(f"expected one of the run's adapters ({', '.join(spec.adapters)}), got {adapter!r}",
+                          field="trainer.lora.adapters")
     tok = build_tokenizer(job.model.tokenizer)
     base = build_model(job.model, tok.vocab_size, seed=job.run.seed, pad_id=tok.pad_id, eos_id=tok.eos_id)
     fingerprint = lora.fingerprint(base)
-    module = lora.attach(base, job.trainer.lora, seed=job.run.seed)
+    module = lora.attach(base, replace(spec, adapters={}), seed=job.run.seed)
+    if spec.adapters:  # <module>.lora_A.<adapter>.weight -> peft's default adapter's name
+        model_state = {**model_state, "adapter": {
+            n.replace(f".{adapter}.", f".{lora.ADAPTER}."): t for n, t in model_state["adapter"].items()
+            if any(part in n for part in lora.adapter_parts(adapter))}}
     lora.load_checkpoint_state(module, model_state, base_fingerprint=fingerprint)
     return module
 

@@ -114,8 +114,19 @@ class TorchTrainer:
         self.model = self._wrap(self.module)
         # FSDP2 shards the weights: gathering them for the weight sync is a collective over all trainer ranks.
         self.export_is_collective = bool(self.options["fsdp"]) and self.dp_size > 1
-        self.optimizer = self._adamw(self._trainable(self.model), job.trainer.lr)
-        self.scheduler = self._schedule(self.optimizer, job.trainer.lr)
+        # Multi-LoRA ([trainer.lora.adapters]): one optimizer and LR schedule per adapter, over that adapter alone.
+        self.adapters: list[str] = list(self.lora.adapters) if self.lora is not None else []
+        self.optimizers: dict[str, Any] = {}
+        self.schedulers: dict[str, Any] = {}
+        self.adapter_sync_bytes: dict[str, int] = {}  # of the last export_weights, per adapter
+        if self.adapters:
+            from milehpc.train.multi_lora import adapter_optimizers
+
+            self.optimizers, self.schedulers = adapter_optimizers(self)
+            self.optimizer = self.scheduler = None
+        else:
+            self.optimizer = self._adamw(self._trainable(self.model), job.trainer.lr)
+            self.scheduler = self._schedule(self.optimizer, job.trainer.lr)
         self.ref: Any = None
         self.critic = self.critic_module = self.critic_opt = None
         if algorithm.needs_critic:
@@ -153,12 +164,12 @@ class TorchTrainer:
         """The parameters an optimizer owns: a LoRA run's frozen base stays out of its state."""
         return [p for p in model.parameters() if p.requires_grad]
 
-    def _adamw(self, params: Iterable[Any], lr: float) -> Any:
+    def _adamw(self, params: Iterable[Any], lr: float, weight_decay: float | None = None) -> Any:
         import torch
 
         tr = self.job.trainer
         return torch.optim.AdamW(params, lr=lr, betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_eps,
-                                 weight_decay=tr.weight_decay)
+                                 weight_decay=tr.weight_decay if weight_decay is None else weight_decay)
 
     def _schedule(self, optimizer: Any, peak: float) -> Any:
         import torch
@@ -210,12 +221,24 @@ class TorchTrainer:
 
     # ---- SFT warm-up ---------------------------------------------------------
     def sft_optimizer(self, lr: float) -> Any:
-        """A fresh AdamW over the policy for the warm-up (its moments do not carry into RL)."""
+        """A fresh AdamW over the policy for the warm-up (its moments do not carry into RL); several adapters: one
+        per adapter, by name."""
+        if self.adapters:
+            from milehpc.train import lora
+
+            return {a: self._adamw([p for _, p in lora.trainable(self.module, [a])], lr) for a in self.adapters}
         return self._adamw(self._trainable(self.model), lr)
 
     def sft_step(self, samples: list[Sample], optimizer: Any) -> dict[str, float]:
-        """One supervised step (token-mean NLL over the response, global over DP) on labelled samples."""
+        """One supervised step (token-mean NLL over the response, global over DP) on labelled samples; several
+        adapters: each adapter's samples step that adapter (:mod:`milehpc.train.multi_lora`)."""
+        if self.adapters:
+            from milehpc.train.multi_lora import per_adapter
 
+            return per_adapter(self, samples, lambda part, a: self._sft_update(part, optimizer[a]))
+        return self._sft_update(samples, optimizer)
+
+    def _sft_update(self, samples: list[Sample], optimizer: Any) -> dict[str, float]:
         batch = self._batch(samples)
         tokens = _all_reduce([batch.num_tokens])[0]
         self.model.train()
@@ -271,6 +294,24 @@ class TorchTrainer:
         return self.algorithm.compute_advantages(batch, dp_sum=_dp_sum_tensor if _dist()[1] > 1 else None) or {}
 
     def train_step(self, samples: list[Sample], step: int) -> dict[str, float]:
+        if self.adapters:  # each adapter's samples step that adapter's optimizer alone
+            from milehpc.train.multi_lora import count_skipped_step, per_adapter
+
+            out = per_adapter(self, samples, lambda part, a: self._update(part, self.optimizers[a], self.schedulers[a]),
+                              skipped=lambda a: count_skipped_step(self.schedulers[a]))
+        else:
+            out = self._update(samples, self.optimizer, self.scheduler)
+        self.version += 1
+        self.steps += 1
+        if self.lora is not None:  # bytes the last weight sync moved, and what a full-model sync would have
+            out["sync/bytes"] = float(self.sync_bytes)
+            out["sync/full_model_bytes"] = float(self.full_model_bytes)
+            for a, n in self.adapter_sync_bytes.items():
+                out[f"adapter/{a}/sync_bytes"] = float(n)
+        return out
+
+    def _update(self, samples: list[Sample], optimizer: Any, scheduler: Any) -> dict[str, float]:
+        """One optimizer step of ``optimizer`` (and its ``scheduler``) over ``samples``; the step's metrics."""
         import torch
 
         t0 = time.perf_counter()
@@ -316,17 +357,15 @@ class TorchTrainer:
             t1 = time.perf_counter()
             grad_norm = self._clip(self.model)
             maybe_fail("optimizer", self.steps)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             if self.critic is not None:
                 critic_norm = self._clip(self.critic)
                 self.critic_opt.step()
                 self.critic_opt.zero_grad(set_to_none=True)
             t_optim += time.perf_counter() - t1
         t_updated = time.perf_counter()
-        self.scheduler.step()
-        self.version += 1
-        self.steps += 1
+        scheduler.step()
         from milehpc.comm.collectives import combine_rank_metrics
 
         out = {f"train/{k}": v for k, v in combine_rank_metrics(sums, self.dp_size).items()}
@@ -335,7 +374,7 @@ class TorchTrainer:
         out["train/grad_norm"] = grad_norm
         if self.critic is not None:
             out["critic/grad_norm"] = critic_norm
-        out["train/lr"] = self.scheduler.get_last_lr()[0]
+        out["train/lr"] = scheduler.get_last_lr()[0]
         out["train/tokens"] = tokens
         if diff_n > 0:
             out["train/logprob_diff_mean"] = diff_sum / diff_n
@@ -345,9 +384,6 @@ class TorchTrainer:
         out["time/train_prepare"] = t_prepared - t0
         out["time/train_fwd_bwd"] = t_updated - t_prepared - t_optim
         out["time/train_optim"] = t_optim
-        if self.lora is not None:  # bytes the last weight sync moved, and what a full-model sync would have
-            out["sync/bytes"] = float(self.sync_bytes)
-            out["sync/full_model_bytes"] = float(self.full_model_bytes)
         return out
 
     def skip_step(self) -> None:
@@ -359,6 +395,11 @@ class TorchTrainer:
         """Full weights in HF naming (with LoRA: the adapter alone, :func:`milehpc.train.lora.export`); with FSDP2
         every rank must call this (it all-gathers)."""
         self.sync_bytes = 0
+        if self.adapters:
+            from milehpc.train.multi_lora import export_adapters
+
+            yield from export_adapters(self)
+            return
         if self.lora is not None:
             from milehpc.train import lora
 
@@ -373,8 +414,12 @@ class TorchTrainer:
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """Model, optimizer, scheduler, critic and reference; the process RNG is the checkpoint's own."""
-        state = {"model": self._model_state(self.module), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "version": self.version, "steps": self.steps}
+        state = {"model": self._model_state(self.module), "version": self.version, "steps": self.steps}
+        if self.adapters:  # each adapter's optimizer and schedule (the adapters themselves are in "model")
+            state["optimizers"] = {a: o.state_dict() for a, o in self.optimizers.items()}
+            state["schedulers"] = {a: s.state_dict() for a, s in self.schedulers.items()}
+        else:
+            state["optimizer"], state["scheduler"] = self.optimizer.state_dict(), self.scheduler.state_dict()
         if self.critic is not None:
             state["critic"] = self.critic_module.state_dict()
             state["critic_optimizer"] = self.critic_opt.state_dict()
@@ -388,7 +433,8 @@ class TorchTrainer:
             return module.state_dict()
         from milehpc.train import lora
 
-        return lora.checkpoint_state(module, source=lora.base_source(self.job), base_fingerprint=self.base_fingerprint)
+        return lora.checkpoint_state(module, source=lora.base_source(self.job), base_fingerprint=self.base_fingerprint,
+                                     adapters=self.adapters or None)
 
     def _load_model_state(self, module: Any, state: dict[str, Any]) -> None:
         if self.lora is None:
@@ -396,12 +442,18 @@ class TorchTrainer:
             return
         from milehpc.train import lora
 
-        lora.load_checkpoint_state(module, state, base_fingerprint=self.base_fingerprint)
+        lora.load_checkpoint_state(module, state, base_fingerprint=self.base_fingerprint,
+                                   adapters=self.adapters or None)
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self._load_model_state(self.module, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self.adapters:
+            from milehpc.train.multi_lora import load_adapter_optimizers
+
+            load_adapter_optimizers(self, state)
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
         self.version, self.steps = int(state["version"]), int(state["steps"])
         if self.critic is not None and "critic" in state:
             self.critic_module.load_state_dict(state["critic"])

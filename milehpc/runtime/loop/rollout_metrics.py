@@ -44,4 +44,8 @@ def rollout_metrics(stats: dict[str, float]) -> dict[str, float]:
             out[f"time/{key}"] = stats[f"time_{key}"]
     if stats.get("time_gen", 0.0) > 0:
         out["perf/gen_tokens_per_s"] = stats.get("gen_tokens", 0.0) / stats["time_gen"]
+    if any(k.startswith("adapter/") for k in stats):  # multi-LoRA: adapter/<NAME>/reward_mean, .../samples
+        from milehpc.runtime.loop.adapter_streams import adapter_metrics
+
+        out.update(adapter_metrics(stats))
     return out

@@ -49,9 +49,18 @@ class RolloutSide:
         self.e, self.E = engine_index, num_engines
         ro = job.rollout
         self.tokenizer = build_tokenizer(job.model.tokenizer)
-        self.source = build_source(job.data, self.tokenizer, file=file)
-        self.scorer = reward_scorer(job.reward, task_reward_name(job.data) or None, sources=self.source.data_sources,
-                                    file=file)
+        # Multi-LoRA: the adapters' own streams, mixed per step; each adapter's reward (runtime.loop.adapter_streams)
+        self.multi = job.trainer.lora is not None and bool(job.trainer.lora.adapters)
+        if self.multi:
+            from milehpc.data.adapters import adapter_mix
+            from milehpc.runtime.loop.adapter_streams import adapter_scorer
+
+            self.source: Any = adapter_mix(job, self.tokenizer, file=file)
+            self.scorer: Any = adapter_scorer(job, file=file)
+        else:
+            self.source = build_source(job.data, self.tokenizer, file=file)
+            self.scorer = reward_scorer(job.reward, task_reward_name(job.data) or None,
+                                        sources=self.source.data_sources, file=file)
         if leader and engine_index == 0 and self.source.summary:  # once per job: what was read, what was dropped
             print(self.source.summary, flush=True)
         self.sampling = sampling_from_spec(ro, self.tokenizer)
@@ -114,10 +123,15 @@ class RolloutSide:
         stats["engine_restarts"] = float(getattr(self.engine, "restarts", 0))  # in place, since this process began
         self.state.step += 1
         self.state.data = {"cursor": self._cursor}
+        if self.multi:  # where each adapter's stream stands (the cursor alone resumes them)
+            self.state.data["adapters"] = self.source.positions(self._cursor * self.E + self.e)
         return groups, stats
 
-    @staticmethod
-    def _count(group: Group, stats: dict[str, float]) -> None:
+    def _count(self, group: Group, stats: dict[str, float]) -> None:
+        if self.multi:
+            from milehpc.runtime.loop.adapter_streams import count_by_adapter
+
+            count_by_adapter(group, stats)
         for s in group:
             stats["samples"] += 1
             stats["resp_tokens"] += len(s.response_ids)
@@ -144,7 +158,12 @@ class RolloutSide:
                 cont = [s for s in self.state.carry if s.status is Status.ABORTED]
                 if cont:
                     self.engine.generate([], replace(sp, n=1), samples=cont)
-            out = self.engine.generate([p.ids for p in prompts], sp) if prompts else []
+            if self.multi:
+                from milehpc.runtime.loop.adapter_streams import generate_by_adapter
+
+                out = generate_by_adapter(self.engine, prompts, sp)
+            else:
+                out = self.engine.generate([p.ids for p in prompts], sp) if prompts else []
         for s in out:  # engine-local group index → the prompt's stream position
             p = prompts[s.group]
             s.group, s.label, s.prompt_text = p.index, p.label, p.text

@@ -49,12 +49,19 @@ class TrainerSide:
         from milehpc.data.source import build_source
 
         job = self.job
-        source = build_source(job.data, self.tokenizer, seed_offset=SFT_SEED_OFFSET, file=self.file)
+        source: Any
+        if job.trainer.lora is not None and job.trainer.lora.adapters:  # each adapter's labels from its own stream
+            from milehpc.data.adapters import adapter_mix
+
+            source = adapter_mix(job, self.tokenizer, seed_offset=SFT_SEED_OFFSET, file=self.file)
+        else:
+            source = build_source(job.data, self.tokenizer, seed_offset=SFT_SEED_OFFSET, file=self.file)
         per_step = job.rollout.prompts_per_step * job.rollout.n_samples
         for _ in range(job.trainer.sft_warmup_steps):
             prompts = source.take(per_step)[self.dp_rank::self.dp_size]
             yield [Sample(prompt_ids=p.ids, response_ids=[*self.tokenizer.encode(str(p.label)), self.tokenizer.eos_id],
-                          group=p.index, index=p.index, label=p.label, prompt_text=p.text) for p in prompts]
+                          group=p.index, index=p.index, label=p.label, prompt_text=p.text, metadata=dict(p.metadata))
+                   for p in prompts]
 
     def warmup(self) -> None:
         """The supervised warm-up (once per run: a resumed run skips it), then the KL reference is frozen."""
