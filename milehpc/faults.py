@@ -12,9 +12,14 @@ Points, and what STEP counts there:
 * ``commit`` — checkpoint rank 0, after every shard of the checkpoint after STEP steps is written and before
   the manifest is committed (the directory is still a temporary one);
 * ``scheduler`` — an SGLang engine leader, after generating its batch STEP (0-based): its scheduler process is
-  killed instead of the rank, as when a scheduler dies of a kernel fault; the rank lives on and restarts the engine.
+  killed instead of the rank, as when a scheduler dies of a kernel fault; the rank lives on and restarts the engine;
+* ``sync`` — an SGLang engine leader on separate rollout ranks, during the weight sync of version STEP (the
+  trainer's broadcast of the first bucket is under way): its scheduler process is killed; the sync is redone;
+* ``eval`` — an SGLang engine leader on separate rollout ranks, as it starts its share of the evaluation after
+  step STEP: its scheduler process is killed; the engine restarts, is re-synced and evaluates again.
 
-``POINT:STEP@RANK`` arms the point on MPI world rank RANK only (read from the launcher's environment).
+``POINT:STEP@RANK`` arms the point on MPI world rank RANK only (read from the launcher's environment); several
+faults are separated by commas (``scheduler:1@3,sync:3@2``).
 """
 
 from __future__ import annotations
@@ -25,27 +30,28 @@ from functools import lru_cache
 
 from milehpc.errors import ConfigError
 
-POINTS = ("generate", "broadcast", "optimizer", "commit", "scheduler")
+POINTS = ("generate", "broadcast", "optimizer", "commit", "scheduler", "sync", "eval")
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 
 
 @lru_cache(maxsize=1)
-def _armed(spec: str) -> tuple[str, int] | None:
-    if not spec:
-        return None
-    point, _, rest = spec.partition(":")
-    step, _, rank = rest.partition("@")
-    if point not in POINTS or not step.isdigit() or (rank and not rank.isdigit()):
-        raise ConfigError(f"MILEHPC_FAULT={spec!r}: expected POINT:STEP[@RANK] with POINT one of "
-                          f"{', '.join(POINTS)}")
-    if rank and next((os.environ[v] for v in RANK_VARS if v in os.environ), None) != rank:
-        return None  # armed on another rank
-    return point, int(step)
+def _armed(specs: str) -> frozenset[tuple[str, int]]:
+    out = set()
+    for spec in filter(None, (s.strip() for s in specs.split(","))):
+        point, _, rest = spec.partition(":")
+        step, _, rank = rest.partition("@")
+        if point not in POINTS or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ConfigError(f"MILEHPC_FAULT={specs!r}: expected POINT:STEP[@RANK][,...] with POINT one of "
+                              f"{', '.join(POINTS)}")
+        if rank and next((os.environ[v] for v in RANK_VARS if v in os.environ), None) != rank:
+            continue  # armed on another rank
+        out.add((point, int(step)))
+    return frozenset(out)
 
 
 def armed(point: str, step: int) -> bool:
     """True when ``MILEHPC_FAULT`` names this point and step (on this rank)."""
-    return _armed(os.environ.get("MILEHPC_FAULT", "")) == (point, step)
+    return (point, step) in _armed(os.environ.get("MILEHPC_FAULT", ""))
 
 
 def maybe_fail(point: str, step: int) -> None:

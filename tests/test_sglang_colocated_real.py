@@ -18,7 +18,7 @@ from colocated_job import run_colocated_job, story
 
 # One launch with five engine starts (2 at once, then 3 restarts): 14.6 min measured at load ~25 on 2 cores; idle not
 # measured yet. The timeout leaves room for a loaded developer machine.
-pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.mpi, pytest.mark.slow(minutes=4), pytest.mark.timeout(1500)]
 
 JOB = """
     name = "sglang-colocated-real"

@@ -348,3 +348,56 @@ def test_contract_colocated_tp2_sends_one_payload_per_rank():
         assert name == "w" and tensor.tolist() == [float(tp_rank)] * 2
     with pytest.raises(RuntimeFailure, match=r"one weight payload per TP rank \(0..1\), got ranks \[0\]"):
         route_payloads([b"x", None], 2)
+
+
+def test_engine_start_retries_once_after_a_lost_port_race(capsys):
+    """SGLang picks its ports free and binds them later; a child that lost the race dies during initialization
+    (EADDRINUSE), and the start is tried once more, saying so, after the failed start's leftover children (sglang
+    leaves its detokenizer running) are stopped and set aside; any other start error, an OOM kill (exit code -9), or
+    a second loss, is raised."""
+    import subprocess
+    import sys
+
+    from milehpc.rollout.sglang_engine import _alive, _children, _launch
+
+    calls, leftovers = [], []
+
+    def factory(**args):
+        calls.append(args)
+        if len(calls) == 1 or args.get("lose_twice"):
+            # What a failed start leaves behind: a child of this process that outlives the dead scheduler.
+            leftovers.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+            raise RuntimeError("Rank 0 scheduler died during initialization (exit code: 1). If exit code is -9 "
+                               "(SIGKILL), a common cause is the OS OOM killer.\nEADDRINUSE")
+        return "engine"
+
+    try:
+        before = _children()
+        assert _launch(factory, {"a": 1}, 3, before) == "engine" and calls == [{"a": 1}, {"a": 1}]
+        leftover = leftovers[0].pid
+        assert not _alive(leftover) and leftover in before  # stopped, and not counted as the engine's
+        assert "SGLang engine 3 died during initialization" in capsys.readouterr().err
+        with pytest.raises(RuntimeError, match="died during initialization"):
+            _launch(factory, {"lose_twice": True}, 0, _children())
+    finally:
+        for proc in leftovers:  # the second loss's leftover (and any left by a failed assertion)
+            proc.kill()
+            proc.wait()
+    calls.clear()
+
+    def oom_killed(**args):
+        calls.append(args)
+        raise RuntimeError("Rank 0 scheduler died during initialization (exit code: -9). If exit code is -9 ...")
+
+    with pytest.raises(RuntimeError, match="exit code: -9"):
+        _launch(oom_killed, {}, 0, _children())
+    assert len(calls) == 1
+    calls.clear()
+
+    def refuses(**args):
+        calls.append(args)
+        raise RuntimeError("some other failure")
+
+    with pytest.raises(RuntimeError, match="some other failure"):
+        _launch(refuses, {}, 0, set())
+    assert len(calls) == 1

@@ -3,7 +3,12 @@ torch trainer rank (peft adapters, LoRA warm-up so the adapter is far from zero 
 rank. The engine loads the trainer's seeded base from disk once; each sync moves only the adapter (bucketed
 broadcast to the rollout rank) into SGLang's LoRA API under a new name, and every request names it. The logprob
 check after every sync holds (seen failing: requests without the adapter's name, or SGLang's dummy base instead
-of the trainer's, put the gap at 0.3-0.47)."""
+of the trainer's, put the gap at 0.3-0.47).
+
+The same launch kills the engine's real scheduler after its batch 1 (``MILEHPC_FAULT=scheduler:1@1``, rank 1 is the
+rollout rank): the next sync finds the engine dead, restarts it in place with LoRA enabled and loads the synced
+adapter before batch 2 is generated (seen failing before the restart existed: the run ended with "SGLang engine 0
+is down")."""
 
 from __future__ import annotations
 
@@ -14,11 +19,11 @@ from local_job import run_local_job
 from required import require_module
 from sglang_real import require_real_sglang
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+pytestmark = [pytest.mark.mpi, pytest.mark.slow(minutes=2), pytest.mark.timeout(900)]
 require_module("peft")
 
 
-def test_real_sglang_lora_syncs_the_adapter_only_and_logprobs_agree(tmp_path: Path) -> None:
+def test_real_sglang_lora_syncs_the_adapter_only_logprobs_agree_and_a_restart_reloads_it(tmp_path: Path) -> None:
     require_real_sglang()
     records, log = run_local_job(tmp_path, """
         name = "sglang-lora"
@@ -42,11 +47,16 @@ def test_real_sglang_lora_syncs_the_adapter_only_and_logprobs_agree(tmp_path: Pa
         [run]
         steps = 3
         check_logprobs = true
-    """, {}, timeout=420)
+    """, {"MILEHPC_FAULT": "scheduler:1@1"}, timeout=600)
     assert records[0]["dist/mpi_world_size"] == 2 and records[0]["dist/rollout_ranks"] == 1
     assert [r["step"] for r in records] == [0, 1, 2]
+    # Every batch's sampled tokens agree with the trainer's peft forward, batch 2 (after the restart) too: the
+    # restarted engine serves the synced adapter, not the bare base.
     diffs = [r["train/logprob_diff_max"] for r in records]
     assert all(d < 1e-3 for d in diffs), diffs
+    # The scheduler died after batch 1; the engine was restarted once, in place, before batch 2.
+    assert [r["rollout/engine_restarts"] for r in records] == [0.0, 0.0, 1.0], log[-3000:]
+    assert "restarted in place with LoRA, loading adapter version 2" in log, log[-3000:]
     assert (tmp_path / "run" / "sglang-lora-base" / "config.json").is_file()  # the trainer's seeded base, on disk
     (adapter,) = {r["sync/bytes"] for r in records}
     full = records[0]["sync/full_model_bytes"]
@@ -54,5 +64,6 @@ def test_real_sglang_lora_syncs_the_adapter_only_and_logprobs_agree(tmp_path: Pa
     assert 0 < adapter < full / 2, (adapter, full)
     from milehpc.samples.dumps import read_rollouts
 
-    # Every batch came from the adapter of the step before it (version 0 = after the LoRA warm-up).
+    # Every batch came from the adapter of the step before it (version 0 = after the LoRA warm-up); batch 2 from
+    # adapter 2, loaded into the restarted engine.
     assert [{s.weight_version for s in read_rollouts(tmp_path / "run", k)[0]} for k in range(3)] == [{0}, {1}, {2}]

@@ -90,12 +90,13 @@ class DirectSyncEngine(Engine, Protocol):
     def needs_weight_sync(self) -> bool:
         """True after a restart, until a full weight sync has filled the engine again."""
 
-    def begin_update(self) -> None:
-        """A weight sync starts."""
+    def begin_update(self, version: int | None = None) -> None:
+        """A weight sync (of ``version``, when known) starts."""
 
     def join_update_group(self, *, master_address: str, master_port: int, world_size: int, stage: int,
-                          backend: str = "nccl") -> None:
-        """Have the engine's processes join pipeline stage ``stage``'s update group (rebuilt after a restart)."""
+                          backend: str = "nccl", group_name: str | None = None) -> None:
+        """Have the engine's processes join pipeline stage ``stage``'s update group ``group_name`` (rebuilt, under a
+        new name, after a restart or a broken sync), leaving the stage's previous group."""
 
     def receive_bucket(self, meta: dict[str, list], *, stage: int) -> None:
         """Receive one bucket the trainer broadcasts (``meta``: names, dtypes, shapes)."""

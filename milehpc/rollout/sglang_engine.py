@@ -88,6 +88,13 @@ def cpu_colocated_args(args: dict[str, Any], opts: SGLangOptions) -> dict[str, A
     return out
 
 
+def log(line: str) -> None:
+    """One line on the rank's stderr (the job's output): group rebuilds and restarts are rare and worth seeing."""
+    import sys
+
+    print(f"milehpc: {line}", file=sys.stderr, flush=True)
+
+
 def version_note() -> str | None:
     """One line when the installed sglang is not the one the contract tests ran against (None when it is)."""
     from milehpc.config.sglang_options import TESTED_SGLANG
@@ -156,6 +163,42 @@ def _report_instead_of_kill(engine: Any) -> None:
     tm.signal_handler_class = ReportingSignalHandler
 
 
+PORT_RACE = "died during initialization"  # sglang's words when a child could not bind its port (among others)
+OOM_KILLED = "exit code: -9)"  # ... and when the OS killed the scheduler (SIGKILL: the OOM killer): no retry
+
+
+def _launch(factory: Any, args: dict[str, Any], engine: int, before: set[int]) -> Any:
+    """``factory(**args)``, once more when a child died during initialization. SGLang picks its internal ports free
+    and binds them later, so another process on a busy node (another rank's engine, an MPI job) can take one in
+    between (seen in CI: EADDRINUSE, then "scheduler died during initialization"); a second start picks new ports.
+    The failed start's other children (detokenizer, other TP schedulers: sglang 0.5.23 cleans them up only at
+    exit) are killed first and added to ``before`` (this rank's children that are not the engine's)."""
+    try:
+        return factory(**args)
+    except RuntimeError as err:
+        if PORT_RACE not in str(err) or OOM_KILLED in str(err):
+            raise
+        stale = _kill(_children() - before)
+        before |= stale
+        log(f"SGLang engine {engine} {PORT_RACE} ({str(err).splitlines()[0][:200]}); a port it picked may have "
+            f"been taken meanwhile: starting it once more (stopped {len(stale)} leftover process(es) first)")
+        return factory(**args)
+
+
+def _kill(pids: set[int]) -> set[int]:
+    """SIGKILL ``pids`` and wait (reaping this process's children) until they are gone; returns ``pids``."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            proc.kill()
+            procs.append(proc)
+    psutil.wait_procs(procs, timeout=30)
+    return pids
+
+
 def model_folder(ctx: Any, vocab_size: int, pad_id: int, eos_id: int) -> tuple[str, bool]:
     """(folder SGLang loads, whether the weights are random). A random model is an HF ``config.json`` written from
     the job's ``[model]`` table and loaded with ``load_format="dummy"``: the trainer's weights arrive by the first
@@ -176,10 +219,12 @@ def model_folder(ctx: Any, vocab_size: int, pad_id: int, eos_id: int) -> tuple[s
         tmp = folder / f"config.json.{os.getpid()}"
         tmp.write_text(config.to_json_string())
         tmp.replace(folder / "config.json")  # atomic: other engines on the shared filesystem read it
-    deadline = time.monotonic() + 60
+    wait_s = job.resources.startup_timeout_s  # the first leader may be slow to start on a busy node
+    deadline = time.monotonic() + wait_s
     while not (folder / "config.json").exists():
         if time.monotonic() > deadline:
-            raise RuntimeFailure(f"{folder}/config.json was not written by the first engine leader within 60 s")
+            raise RuntimeFailure(f"{folder}/config.json was not written by the first engine leader within "
+                                 f"{wait_s:.0f} s (resources.startup_timeout_s)")
         time.sleep(0.2)
     return str(folder), True
 
@@ -209,6 +254,9 @@ class SGLangEngine:
         self.batches = 0  # generate calls answered (the fault point counts them)
         self.sigquits = 0  # SIGQUITs from SGLang's children reported instead of killing the rank
         self.update_groups: dict[str, dict[str, Any]] = {}  # group name -> init_weights_update_group kwargs
+        self._stage_group: dict[int, str] = {}  # pipeline stage -> the name of its current update group
+        self._syncing: int | None = None  # the version a sync in progress brings (fault injection counts it)
+        self._sync_faults: set[int] = set()  # versions whose ``sync`` fault has fired (once: the re-send succeeds)
         self._last_names: list[str] = []
         self.unreadable: set[str] = set()  # names get_weights_by_name answered None for
         self._session_open = False
@@ -233,15 +281,18 @@ class SGLangEngine:
             factory = sglang.Engine
             note = version_note()
             if note:
-                import sys
-
-                print(f"milehpc: {note}", file=sys.stderr, flush=True)
+                log(note)
         if self.server_args.get("device") == "cpu":
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # else sglang imports vllm for its CPU ops
             if self.lora is not None:
                 os.environ[sglang_lora.UNPIN_ENV] = "1"  # read by the scheduler, see sglang_lora.unpin_if_asked
         if self.server_args.get("nnodes", 1) > 1:
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+            if self.server_args.get("device") == "cpu" and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+                # A CPU TP rank binds its threads to "its" NUMA node unless told its cores, and every rank of a
+                # multi-rank engine is TP rank 0 of its own SGLang node: all would take node 0 (and SGLang refuses
+                # more TP ranks than NUMA nodes). Each rank's scheduler gets the cores this rank was given.
+                os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_list(os.sched_getaffinity(0))
         # Logprobs of the temperature-scaled distribution (SGLang's default), which is what the trainer recomputes;
         # SGLANG_RETURN_ORIGINAL_LOGPROB=1 would return pre-temperature ones and break train–rollout agreement.
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
@@ -251,7 +302,7 @@ class SGLangEngine:
         args = {**self.server_args, "custom_sigquit_handler": sigquit_handler}
         _LIVE.add(self)
         try:
-            self._engine = factory(**args)
+            self._engine = _launch(factory, args, self.engine_index, before)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"SGLang refused the engine arguments: {err}", field="rollout.options") from err
         finally:
@@ -272,7 +323,9 @@ class SGLangEngine:
 
     def restart(self) -> None:
         """Shut down and start again in place. Weights come back as the checkpoint's (or random); the caller must
-        re-run the weight-update group setup and a full weight sync (``needs_weight_sync`` is then True)."""
+        re-run the weight-update group setup and a full weight sync (``needs_weight_sync`` is then True).
+        Only this rank's share restarts: a multi-rank engine's other ranks are not restarted (their schedulers are
+        children of their own ranks), so the job ends if one of them dies."""
         if self.restarts >= self.opts.max_restarts:
             raise RuntimeFailure(
                 f"SGLang engine {self.engine_index} died again after {self.restarts} restart(s) "
@@ -282,13 +335,35 @@ class SGLangEngine:
             self._start()
             self.restarts += 1
             self.update_groups.clear()
+            self._stage_group.clear()
             self._session_open = False
+            self._syncing = None
             self.version = -1
             self.adapter_name = None  # a new engine has no adapter loaded
 
     @property
     def needs_weight_sync(self) -> bool:
         return self.version < 0
+
+    @property
+    def dead_reason(self) -> str | None:
+        """What died, once :meth:`health` found the engine down (None while it serves)."""
+        return self._dead_reason
+
+    def _revive_lora(self, version: int) -> None:
+        """[trainer.lora] on separate rollout ranks, where no re-sync from the trainer exists (the rank itself holds
+        the adapter): a dead engine restarts in place with LoRA enabled (the same server arguments); the caller
+        then loads the adapter of ``version`` before any request (:mod:`milehpc.rollout.sglang_lora`)."""
+        reason = self._dead_reason
+        self.restart()  # counted; raises once rollout.options.max_restarts is used up
+        log(f"SGLang engine {self.engine_index} died ({reason}); restarted in place with LoRA, loading adapter "
+            f"version {version}")
+
+    def _self_restarts(self) -> bool:
+        """A LoRA engine on separate rollout ranks restarts itself when found dead; a colocated one is restarted by
+        the colocated driver (memory resident again, :mod:`milehpc.runtime.offload`), a full-weight one through
+        the trainer's re-sync (:mod:`milehpc.runtime.loop.separate_rollout`)."""
+        return self.lora is not None and not self.colocated and not self.health()
 
     def shutdown(self) -> None:
         if self._engine is not None:
@@ -343,6 +418,13 @@ class SGLangEngine:
             return []
         kwargs = sm.generate_kwargs(requests, return_routed_experts=self.moe_shape is not None)
         with self._lock:
+            if self._self_restarts():  # died since it last served: back with the adapter it held, at its version
+                version, held = self.version, self.adapter
+                self._revive_lora(version)
+                if held:
+                    self._load_peft(held, version)
+                else:
+                    self.version = version  # no adapter synced yet: the base is the policy (peft's B = 0)
             version = self.version
             if self.adapter_name is not None:
                 kwargs["lora_path"] = [self.adapter_name] * len(requests)
@@ -355,12 +437,13 @@ class SGLangEngine:
                                                                                                  strict=True)]
         self.tokens_generated += sum(len(s.response_ids) for s in out) - sum(len(r.prefix_ids) for r in requests)
         if armed("scheduler", self.batches):
-            self._kill_scheduler()
+            self.kill_scheduler()
         self.batches += 1
         return out
 
-    def _kill_scheduler(self) -> None:
-        """Fault injection (``MILEHPC_FAULT=scheduler:N``): SIGKILL this engine's scheduler process(es)."""
+    def kill_scheduler(self) -> None:
+        """Fault injection (``MILEHPC_FAULT=scheduler:N``, ``sync:V``, ``eval:STEP``): SIGKILL this engine's
+        scheduler process(es)."""
         import psutil
 
         for pid in self._pids:
@@ -373,6 +456,7 @@ class SGLangEngine:
                     deadline = time.monotonic() + 30
                     while _alive(pid) and time.monotonic() < deadline:
                         time.sleep(0.05)
+
 
     def abort(self) -> None:
         """Cut the running batch short (thread-safe); its samples return ABORTED with the tokens so far."""
@@ -459,6 +543,13 @@ class SGLangEngine:
         if not self.is_leader:
             return
         tensors = sglang_lora.adapter_tensors(named_tensors, self.lora)
+        with self._lock:
+            if self._self_restarts():  # died since it last served: restarted before the new adapter loads
+                self._revive_lora(version)
+            self._load_peft(tensors, version)
+
+    def _load_peft(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load the adapter ``tensors`` (peft names) as weight version ``version``; the previous one unloaded after."""
         config = sglang_lora.config_dict(tensors, self.lora)
         with self._lock:
             self._adapter_loads += 1  # a version sent again (a re-sync) loads under a new name too
@@ -494,22 +585,31 @@ class SGLangEngine:
         return route_payloads(got, tp) if self.is_leader else []
 
     def join_update_group(self, *, master_address: str, master_port: int, world_size: int, stage: int,
-                          backend: str = "nccl") -> None:
-        """Separate-ranks path: this engine's TP schedulers join the stage's update group (leader only)."""
+                          backend: str = "nccl", group_name: str | None = None) -> None:
+        """Separate-ranks path: this engine's TP schedulers join the stage's update group ``group_name`` (default:
+        the stage's first name), leaving the stage's previous group first (leader only)."""
         if not self.is_leader:
             return
+        name = group_name or sm.group_name(stage)
         kwargs = {"master_address": master_address, "master_port": int(master_port),
                   "rank_offset": sm.rank_offset(self.engine_index, self.server_args.get("tp_size", 1)),
-                  "world_size": int(world_size), "group_name": sm.group_name(stage), "backend": backend}
+                  "world_size": int(world_size), "group_name": name, "backend": backend}
         with self._lock:
-            if kwargs["group_name"] in self.update_groups:  # rebuilt after another engine restarted
+            old = self._stage_group.pop(stage, None)
+            if old is not None and self.update_groups.pop(old, None) is not None:
+                # Rebuilt after an engine restarted or a sync broke. A group whose broadcast failed may refuse a
+                # clean destroy (SGLang answers failure then): the name is dropped either way, the new group has
+                # its own name and port.
                 result = self._call("destroy_weights_update_group", self._engine.destroy_weights_update_group,
-                                    group_name=kwargs["group_name"])
-                del self.update_groups[kwargs["group_name"]]
-                _check_result("destroy_weights_update_group", result)
+                                    group_name=old)
+                if not (isinstance(result, tuple) and result and result[0]):
+                    log(f"SGLang engine {self.engine_index}: leaving update group {old}: {result}")
             result = self._call("init_weights_update_group", self._engine.init_weights_update_group, **kwargs)
         _check_result("init_weights_update_group", result)
-        self.update_groups[kwargs["group_name"]] = kwargs
+        self.update_groups[name] = kwargs
+        self._stage_group[stage] = name
+        log(f"SGLang engine {self.engine_index} joined weight-update group {name} (stage {stage}, rank "
+             f"{kwargs['rank_offset']} of {world_size})")
 
     def receive_bucket(self, meta: dict[str, list], *, stage: int) -> None:
         """Separate-ranks path: receive one bucket the trainer broadcasts as one flat uint8 tensor (``meta`` =
@@ -520,13 +620,16 @@ class SGLangEngine:
         with self._lock:
             try:
                 self._begin_session()
+                if self._syncing is not None and armed("sync", self._syncing) and self._syncing not in self._sync_faults:
+                    self._sync_faults.add(self._syncing)  # MILEHPC_FAULT=sync:V: the scheduler dies while the
+                    self.kill_scheduler()  # trainer's broadcast of version V's first bucket is under way
                 # One flat uint8 broadcast per bucket (sm.flatten_bucket). flush_cache=True flushes the radix cache
                 # inside the request, after the load. On a GPU torch_empty_cache returns the received buffer to the
                 # device (what the separate flush_cache call did); on the CPU that clean-up is a full gc.collect()
                 # in the scheduler, most of a sync's time, so it is left out there.
                 self._request("update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
                               "update_weights_from_distributed", names=meta["names"], dtypes=meta["dtypes"],
-                              shapes=meta["shapes"], group_name=sm.group_name(stage),
+                              shapes=meta["shapes"], group_name=self._stage_group.get(stage, sm.group_name(stage)),
                               load_format=sm.FLATTENED_BUCKET, flush_cache=True,
                               torch_empty_cache=self.server_args.get("device") != "cpu", selector=self.selector)
             except BaseException:
@@ -537,6 +640,7 @@ class SGLangEngine:
     def finish_update(self, version: int) -> None:
         """After the last bucket of every stage: close the session (each bucket flushed the radix cache), take the
         version."""
+        self._syncing = None  # the sync is over either way
         if not self.is_leader:
             return
         with self._lock:
@@ -556,8 +660,10 @@ class SGLangEngine:
             _check_result("update_weights_from_disk", result)
             self.version = version
 
-    def begin_update(self) -> None:
+    def begin_update(self, version: int | None = None) -> None:
+        """A weight sync (of ``version``, when known) starts."""
         self._last_names = []
+        self._syncing = version
 
     def weight_version(self) -> int:
         return self.version
@@ -625,6 +731,17 @@ def route_payloads(gathered: list[Any], tp_size: int) -> list[Any]:
         have = [i for i, p in enumerate(gathered) if p is not None]
         raise RuntimeFailure(f"expected one weight payload per TP rank (0..{tp_size - 1}), got ranks {have}")
     return list(gathered)
+
+
+def cpu_list(cpus: set[int]) -> str:
+    """``{0, 1, 2, 5}`` -> ``"0-2,5"`` (the cpu-list form libnuma's ``numa_parse_cpustring`` reads)."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _check_result(what: str, result: Any) -> None:

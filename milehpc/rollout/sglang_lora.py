@@ -13,6 +13,11 @@ How a sync reaches SGLang (checked against sglang 0.5.23, ``srt/entrypoints/engi
   (:func:`adapter_name`); the new one is loaded first and the old one unloaded after, so a failed load leaves the
   engine serving the previous adapter. Generation and updates share the engine's lock: no request uses the old
   name while it is unloaded.
+* A scheduler that dies (separate rollout ranks) is noticed at the engine's next use — a sync or a generation —
+  and the engine restarts in place with the same LoRA server arguments; it loads the adapter of the current version
+  (the new one a sync brings, or the one the rank holds) under a new name before it generates again. No re-sync
+  from the trainer is needed: the rollout rank holds the adapter. (A colocated engine is restarted and refilled by
+  :mod:`milehpc.runtime.offload`.)
 * The base model is never synced: it is the checkpoint at ``model.path``, or for a random model the trainer's
   seeded build written once to the run directory (:func:`seeded_base_folder`) instead of SGLang's "dummy" weights.
 
@@ -130,7 +135,7 @@ def unpin_if_asked() -> None:
     torch._milehpc_unpinned = True  # type: ignore[attr-defined]
 
 
-def seeded_base_folder(job: Any, run_dir: Path, *, writer: bool, timeout: float = 300.0) -> str:
+def seeded_base_folder(job: Any, run_dir: Path, *, writer: bool) -> str:
     """A random model's base for SGLang: the trainer's seeded build (:func:`milehpc.models.build_model`, the same
     call) saved as an HF folder by ``writer`` (the first engine leader) and waited for by the others. With LoRA only
     the adapter is synced, so the base must be the trainer's bit for bit, not SGLang's dummy weights."""
@@ -144,9 +149,11 @@ def seeded_base_folder(job: Any, run_dir: Path, *, writer: bool, timeout: float 
         tmp = folder.with_name(f"{folder.name}.{os.getpid()}")
         save_model(model, tmp)
         tmp.replace(folder)  # atomic: other engines on the shared filesystem see a whole folder or none
+    timeout = job.resources.startup_timeout_s  # building and saving the model may be slow on a busy node
     deadline = time.monotonic() + timeout
     while not folder.is_dir():
         if time.monotonic() > deadline:
-            raise RuntimeFailure(f"{folder} was not written by the first engine leader within {timeout:.0f} s")
+            raise RuntimeFailure(f"{folder} was not written by the first engine leader within {timeout:.0f} s "
+                                 "(resources.startup_timeout_s)")
         time.sleep(0.2)
     return str(folder)

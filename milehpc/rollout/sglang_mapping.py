@@ -348,9 +348,10 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
-def group_name(stage: int) -> str:
-    """The SGLang weight-update group of one pipeline stage."""
-    return f"{WEIGHT_GROUP_PREFIX}_pp{stage}"
+def group_name(stage: int, generation: int = 0) -> str:
+    """The SGLang weight-update group of one pipeline stage; a rebuilt group (``generation`` > 0: after an engine
+    restarted or a sync broke) gets a new name, so nothing of the old group's rendezvous can mix into it."""
+    return f"{WEIGHT_GROUP_PREFIX}_pp{stage}" + (f"_g{generation}" if generation else "")
 
 
 def rank_offset(engine: int, gpus_per_engine: int) -> int:

@@ -9,7 +9,8 @@ The trainer's stage leader joins as rank 0 the same way (:func:`join_update_grou
 on a port seeded by the job id and checked free (:func:`milehpc.comm.net.host_store`), so nothing blocks until
 all workers have arrived.
 
-One sync (:func:`sync_weights`), per pipeline stage, in stage order:
+One sync (:func:`sync_weights`): first every stage's group, ``("group", address, port, world size, name)`` (a new
+one) or ``("keep",)``, so that no rendezvous is left waiting once bytes move; then per pipeline stage, in stage order:
 
 1. stage leader → engine leaders (MPI, timed): ``("bucket", {names, dtypes, shapes})``;
 2. engine leaders call ``update_weights_from_distributed(names, dtypes, shapes, group,
@@ -18,22 +19,50 @@ One sync (:func:`sync_weights`), per pipeline stage, in stage order:
    job's timeout). The flush inside the request resets the radix cache without the allocator clean-up of a
    separate ``flush_cache`` call (a full ``gc.collect()`` in SGLang's CPU scheduler: 0.5-1 s, against ~0.03 s
    for the rest of a sync of the CPU demo's model);
-3. after the last bucket ``("done", version)``; the engine closes its weight-update session.
+3. after the last bucket ``("done", version)``; the engine closes its weight-update session;
+4. every engine leader tells every stage leader whether its whole sync succeeded; stage 0's leader broadcasts the
+   verdict.
 
 A restarted engine cannot rejoin a live NCCL group, so at the start of a sync the engine leaders report whether they
-need a group; if any does, every stage's group is rebuilt (old groups destroyed on both sides) before the bytes move.
+need a group; if any does, every stage's group is rebuilt (old groups destroyed on both sides, the new one under a
+new name and port) before the bytes move.
+
+**A scheduler that dies during a sync** (:func:`sync_weights` retries): the engine leader's request fails (milehpc's
+watcher sees the child die) and it tells every stage leader over MPI (``TAG_SYNC_FAILED``); the stage leader's
+broadcast ends either by the backend's error (gloo raises on a closed peer) or by that message (NCCL never returns
+from a broadcast to a dead peer: the communicator is aborted, ``ProcessGroup.abort`` = ``ncclCommAbort``); the
+collective timeout stays the last resort (the job fails). The stage leader then sends ``("abort", version)`` in
+place of ``"done"`` and the verdict (step 4) is a failure. Then the dead engine restarts in place (counted against
+``rollout.options.max_restarts``), every stage rebuilds its group and the same version is sent again to every
+engine (an engine that had taken it loads the same bytes again), at most :data:`MAX_ATTEMPTS` times. NCCL needs
+more than gloo on the engine side: SGLang 0.5.23 has no request that aborts a scheduler's communicator, so a
+surviving scheduler whose receive waits behind the dead one is expected to end by NCCL's watchdog at its group's
+timeout and then be restarted like the dead one (not exercised on a CPU: the tests run gloo). An engine that fails
+to close its weight-update session after the last bucket (``finish_update``) fails the attempt the same way. A
+failure while an engine joins a new group (``init_weights_update_group``) is not retried: the rendezvous cannot be
+completed without it, so the rank's error ends the job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from milehpc.errors import RuntimeFailure
 from milehpc.rollout import sglang_mapping as sm
+from milehpc.rollout.sglang_engine import log
 
 if TYPE_CHECKING:
     from milehpc.comm.world import Comms
+
+TAG_SYNC_FAILED = 32120  # engine leader -> stage leaders: (attempt, reason), its engine failed during that attempt
+MAX_ATTEMPTS = 4  # of one sync (each failed attempt costs an engine restart, bounded by max_restarts as well)
+
+
+class SyncBroken(Exception):
+    """This stage's update group broke during a sync (a member died or reported failure); the sync is redone."""
 
 
 def join_update_group(store: Any, *, world_size: int, rank: int, group_name: str, backend: str,
@@ -51,12 +80,21 @@ def join_update_group(store: Any, *, world_size: int, rank: int, group_name: str
 
 
 def leave_update_group(pg: Any) -> None:
-    import contextlib
-
     import torch.distributed as dist
 
     with contextlib.suppress(Exception):  # a group whose peers died may refuse a clean destroy
         dist.destroy_process_group(pg)
+
+
+def abort_update_group(pg: Any) -> None:
+    """Give up a group whose broadcast cannot complete. NCCL: ``ncclCommAbort`` (``ProcessGroup.abort``) ends the
+    kernels waiting for a dead peer, which a plain destroy would wait for; gloo returns at once (its pending send
+    times out in gloo's own thread). Then the group is unregistered."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    with contextlib.suppress(Exception):
+        _abort_process_group(pg)
+    leave_update_group(pg)
 
 
 class StageSender:
@@ -67,6 +105,7 @@ class StageSender:
         self.world_size, self.backend = world_size, backend
         self.pg: Any = None
         self.store: Any = None
+        self.generation = 0  # groups built so far: each rebuild has a new name (sm.group_name)
 
     @property
     def members(self) -> list[int]:
@@ -75,69 +114,141 @@ class StageSender:
     def setup(self, run_id: str) -> None:
         from milehpc.comm.net import host_store, resolve_address
 
-        if self.pg is not None:
-            leave_update_group(self.pg)
-            self.pg = None
+        self.drop()
         plan = self.comms.plan
         addr = resolve_address("127.0.0.1" if plan.nodes == 1 else "hostname")
-        name = sm.group_name(self.stage)
+        name = sm.group_name(self.stage, self.generation)
+        self.generation += 1
         self.store, port = host_store(addr, f"{run_id}/{name}/{id(self)}", self.world_size, self.comms.timeout)
-        self.comms.bcast(("group", addr, port, self.world_size), self.comms.rank, self.members,
+        self.comms.bcast(("group", addr, port, self.world_size, name), self.comms.rank, self.members,
                          what=f"SGLang update group {self.stage} address")
         self.pg = join_update_group(self.store, world_size=self.world_size, rank=0, group_name=name,
                                     backend=self.backend, timeout=self.comms.timeout)
 
-    def send(self, named: Any, version: int, bucket_bytes: int) -> int:
+    def drop(self, *, abort: bool = False) -> None:
+        """Leave this stage's group (``abort``: it broke mid-broadcast); the next sync builds a new one."""
+        if self.pg is not None:
+            (abort_update_group if abort else leave_update_group)(self.pg)
+            self.pg = None
+
+    def send(self, named: Any, version: int, bucket_bytes: int, attempt: int) -> tuple[int, str | None]:
         """Broadcast ``named`` (HF names, this stage's full tensors on the device) bucket by bucket, each bucket as one
         flat uint8 tensor (:func:`sglang_mapping.flatten_bucket`: one collective per bucket, not one per tensor);
-        returns the bytes sent."""
-        total = 0
+        returns (the bytes sent, why the group broke or None). A broken group is aborted and the rest of the
+        buckets is not sent: the engine leaders get ``("abort", version)`` instead of ``("done", version)``."""
+        total, broken = 0, None
         for bucket in sm.buckets(named, bucket_bytes):
             flat, meta = sm.flatten_bucket(bucket)
             self.comms.bcast(("bucket", meta), self.comms.rank, self.members,
                              what=f"weight bucket metadata (stage {self.stage})")
-            self._broadcast(flat)
+            try:
+                self._broadcast(flat, attempt)
+            except SyncBroken as err:
+                broken = str(err)
+                self.drop(abort=True)
+                break
             total += flat.numel()
-        self.comms.bcast(("done", version), self.comms.rank, self.members,
+        self.comms.bcast(("abort" if broken else "done", version), self.comms.rank, self.members,
                          what=f"end of weight sync (stage {self.stage})")
-        return total
+        return total, broken
 
-    def _broadcast(self, flat: Any) -> None:
-        """One broadcast from rank 0 of the update group, polled so that a dead peer ends it within the timeout."""
+    def _broadcast(self, flat: Any, attempt: int) -> None:
+        """One broadcast from rank 0 of the update group, polled so that a dead peer ends it: by the backend's
+        error, by an engine leader's failure report over MPI (:data:`TAG_SYNC_FAILED`), or, as the last resort, by
+        the collective timeout (which fails the job)."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         work = self.pg.broadcast([flat], opts)
-        self.comms.poll(work.is_completed, self.comms.timeout,
+        reports: list[str] = []
+
+        def over() -> bool:
+            if work.is_completed():
+                return True
+            reports.extend(failure_reports(self.comms, self.leaders, attempt))
+            return bool(reports)
+
+        self.comms.poll(over, self.comms.timeout,
                         lambda: f"weight broadcast to SGLang (stage {self.stage}) not complete after "
                                 f"{self.comms.timeout:.0f} s", lambda: self.leaders)
-        work.wait()
+        if reports:
+            raise SyncBroken("; ".join(reports))
+        try:
+            work.wait()
+        except Exception as err:  # noqa: BLE001 - gloo: "Connection closed by peer" when a scheduler died
+            raise SyncBroken(f"the broadcast failed: {str(err).splitlines()[0][:200]}") from err
 
 
-def engine_receive(comms: Comms, engine: Any, sources: list[int], leaders: list[int], version_hint: int | None = None
-                   ) -> int:
-    """On an engine leader: take one sync from every stage source in stage order; returns the new version."""
-    version = version_hint if version_hint is not None else engine.weight_version()
-    engine.begin_update()
+def failure_reports(comms: Comms, leaders: list[int], attempt: int) -> list[str]:
+    """The engine leaders' failure reports of sync attempt ``attempt`` that have arrived (older ones dropped)."""
+    out = []
+    for r in leaders:
+        while (msg := comms.ctrl.improbe(r, TAG_SYNC_FAILED)) is not None:
+            got, reason = msg.recv()
+            if got == attempt:
+                out.append(f"engine leader {r}: {reason}")
+    return out
+
+
+def report_failure(comms: Comms, sources: list[int], attempt: int, reason: str) -> None:
+    """Tell every stage leader that this engine's sync attempt ``attempt`` failed (their broadcast may be waiting for
+    this engine); the send is waited for under the collective timeout (a stage leader that is gone ends the job)."""
+    reqs = [comms.ctrl.isend((attempt, reason), r, TAG_SYNC_FAILED) for r in sources]
+    comms.poll(lambda: all(req.Test() for req in reqs), comms.timeout,
+               lambda: f"sync failure report to the stage leaders not sent after {comms.timeout:.0f} s",
+               lambda: sources)
+
+
+def engine_receive(comms: Comms, engine: Any, sources: list[int], leaders: list[int], version: int,
+                   attempt: int) -> tuple[int, str | None]:
+    """On an engine leader: take one sync of ``version`` (sync attempt ``attempt``) from every stage source in stage
+    order. Returns (the version, why this engine's sync failed or None). A failure (the engine died, SGLang refused
+    a bucket, a stage's broadcast broke, the session did not close) is reported to every stage leader at once; the
+    rest of the sync's messages are still taken, without the engine."""
+    failed: str | None = None
+
+    def fail(why: str) -> None:
+        nonlocal failed
+        if failed is None:
+            failed = (why.splitlines() or [""])[0][:200]  # one short line: it travels over MPI and into logs
+            report_failure(comms, sources, attempt, failed)
+
+    engine.begin_update(version)
+    # Every stage's group first, then the bytes: a death during the bytes never leaves a rendezvous waiting.
     for stage, source in enumerate(sources):
-        members = [source, *leaders]
+        kind, *rest = comms.bcast(None, source, [source, *leaders], what=f"update group of stage {stage}")
+        if kind == "group":
+            addr, port, world, name = rest
+            engine.join_update_group(master_address=addr, master_port=port, world_size=world, stage=stage,
+                                     backend=comms.backend, group_name=name)
+    for stage, source in enumerate(sources):
         while True:
-            kind, *rest = comms.bcast(None, source, members, what=f"weight sync from stage {stage}")
-            if kind == "group":
-                addr, port, world = rest
-                engine.join_update_group(master_address=addr, master_port=port, world_size=world, stage=stage,
-                                         backend=comms.backend)
-            elif kind == "bucket":
-                engine.receive_bucket(rest[0], stage=stage)
-            else:  # done
-                version = int(rest[0])
-                break
-    engine.finish_update(version)
-    return version
+            kind, *rest = comms.bcast(None, source, [source, *leaders], what=f"weight sync from stage {stage}")
+            if kind == "bucket":
+                if failed is None:
+                    try:
+                        engine.receive_bucket(rest[0], stage=stage)
+                    except RuntimeFailure as err:
+                        fail(str(err))
+                continue
+            version = int(rest[0])  # done / abort
+            if kind == "abort":
+                fail(f"stage {stage}'s broadcast broke")
+            break
+    if failed is None:
+        try:
+            engine.finish_update(version)
+        except RuntimeFailure as err:  # redone like a failed bucket
+            fail(str(err))
+    elif engine.health():  # close its update session; the attempt is redone, the weights are not this version's
+        with contextlib.suppress(RuntimeFailure):
+            engine.finish_update(-1)
+    return version, failed
 
 
 _SENDERS: dict[int, dict[int, StageSender]] = {}  # per Comms object: this rank's stage senders between syncs
+_ATTEMPTS: dict[int, int] = {}  # per Comms object: sync attempts so far (the same count on every sync member)
 
 
 def sync_weights(comms: Comms, version: int, *, named_tensors: Any = None, engine: Any = None,
@@ -147,35 +258,82 @@ def sync_weights(comms: Comms, version: int, *, named_tensors: Any = None, engin
     separate ranks; :func:`milehpc.weights.sync.direct_weight_sync`): call on every rank. Stage leaders send
     ``named_tensors`` (their stage's HF-named weights; a callable gets the stage), engine leaders have SGLang receive
     them, other ranks return. ``converter`` maps trainer names/layouts to HF ones; ``timeout`` is the comms'.
+    A sync that broke (see the module docstring) is redone: the dead engine restarted, every group rebuilt.
     """
     import time
 
     plan = comms.plan
     sources = [g["source"] for g in plan.weight_sync_groups()]
     leaders = plan.engine_leaders()
+    if comms.rank not in sources and comms.rank not in leaders:
+        return {}
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
+    tensors = None
     if comms.rank in sources:
         stage = sources.index(comms.rank)
-        flags = comms.gather(None, comms.rank, [comms.rank, *leaders], what=f"engine group check (stage {stage})")
-        senders = _SENDERS.setdefault(id(comms), {})
-        sender = senders.get(stage)
-        if sender is None or sender.pg is None or any(flags[1:]):
-            sender = sender or StageSender(comms, stage, leaders, 1 + plan.rollout_ranks, comms.backend)
-            senders[stage] = sender
-            sender.setup(run_id)
         tensors = named_tensors(stage) if callable(named_tensors) else named_tensors
         if tensors is None:
             raise ValueError(f"rank {comms.rank} leads stage {stage}: it needs named_tensors")
-        nbytes = sender.send(converter(tensors) if converter else tensors, version, bucket_bytes)
-        dt = time.perf_counter() - t0
-        metrics.update({"time/weight_sync": dt, "sync/bytes": float(nbytes), "sync/gbps": nbytes / max(dt, 1e-9) / 1e9})
-    elif comms.rank in leaders:
-        if engine is None:
-            raise ValueError(f"rank {comms.rank} leads an engine: it needs the engine")
-        need = engine.needs_weight_sync or not engine.update_groups
-        for stage, source in enumerate(sources):
-            comms.gather(need, source, [source, *leaders], what=f"engine group check (stage {stage})")
-        engine_receive(comms, engine, sources, leaders, version)
-        metrics["time/weight_sync"] = time.perf_counter() - t0
+        tensors = list(converter(tensors) if converter else tensors)  # sent again if the sync breaks
+    elif engine is None:
+        raise ValueError(f"rank {comms.rank} leads an engine: it needs the engine")
+    for attempt in range(MAX_ATTEMPTS):
+        n = _ATTEMPTS[id(comms)] = _ATTEMPTS.get(id(comms), -1) + 1
+        if comms.rank in sources:
+            ok, nbytes = _send_attempt(comms, sources.index(comms.rank), leaders, tensors, version, bucket_bytes,
+                                       run_id, n, earlier_tries=attempt)
+            metrics.update({"sync/bytes": float(nbytes), "sync/attempts": float(attempt + 1)})
+        else:
+            ok = _receive_attempt(comms, engine, sources, leaders, version, n, redo=attempt > 0)
+        if ok:
+            break
+    else:
+        raise RuntimeFailure(f"the weight sync of version {version} into SGLang failed {MAX_ATTEMPTS} times")
+    dt = time.perf_counter() - t0
+    metrics["time/weight_sync"] = dt
+    if "sync/bytes" in metrics:
+        metrics["sync/gbps"] = metrics["sync/bytes"] / max(dt, 1e-9) / 1e9
     return metrics
+
+
+def _send_attempt(comms: Comms, stage: int, leaders: list[int], tensors: list[Any], version: int,
+                  bucket_bytes: int, run_id: str, attempt: int, *, earlier_tries: int) -> tuple[bool, int]:
+    """A stage leader's part of one sync attempt (``attempt``: counted over all syncs, the failure reports' tag;
+    ``earlier_tries``: this sync's failed attempts before it): (whether every engine took every stage, bytes sent)."""
+    failure_reports(comms, leaders, attempt)  # drop reports of earlier attempts
+    members = [comms.rank, *leaders]
+    flags = comms.gather(None, comms.rank, members, what=f"engine group check (stage {stage})")
+    senders = _SENDERS.setdefault(id(comms), {})
+    sender = senders.get(stage)
+    if sender is None:
+        sender = senders[stage] = StageSender(comms, stage, leaders, 1 + comms.plan.rollout_ranks, comms.backend)
+    if sender.pg is None or earlier_tries or any(flags[1:]):
+        sender.setup(run_id)
+    else:
+        comms.bcast(("keep",), comms.rank, members, what=f"SGLang update group {stage} kept")
+    nbytes, broken = sender.send(tensors, version, bucket_bytes, attempt)
+    results = comms.gather(None, comms.rank, members, what=f"engine sync results (stage {stage})")[1:]
+    failures = [f"engine leader {r}: {why}" for r, why in zip(leaders, results, strict=True) if why]
+    ok = not failures and broken is None
+    if stage == 0:
+        comms.bcast(ok, comms.rank, members, what="weight sync verdict")
+    if not ok:
+        sender.drop(abort=True)  # a clean destroy may block (NCCL, a dead peer) wherever the attempt failed
+        log(f"weight sync of version {version} (stage {stage}, attempt {earlier_tries + 1}) failed: "
+             f"{'; '.join(failures) or broken}; rebuilding the update groups and sending it again")
+    return ok, nbytes
+
+
+def _receive_attempt(comms: Comms, engine: Any, sources: list[int], leaders: list[int], version: int,
+                     attempt: int, *, redo: bool) -> bool:
+    """An engine leader's part of one sync attempt; a dead engine is restarted before the attempt."""
+    if redo and not engine.health():
+        engine.restart()  # counted; raises once rollout.options.max_restarts is used up
+    need = redo or engine.needs_weight_sync or not engine.update_groups
+    for stage, source in enumerate(sources):
+        comms.gather(need, source, [source, *leaders], what=f"engine group check (stage {stage})")
+    _, failed = engine_receive(comms, engine, sources, leaders, version, attempt)
+    for stage, source in enumerate(sources):
+        comms.gather(failed, source, [source, *leaders], what=f"engine sync results (stage {stage})")
+    return bool(comms.bcast(None, sources[0], [sources[0], *leaders], what="weight sync verdict"))

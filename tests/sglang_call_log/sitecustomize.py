@@ -62,7 +62,7 @@ def _wrap(owner: SGLangEngine, target: Any, name: str) -> None:
     def staged(before: bool) -> None:
         if (name, counts[name], before) in KILLS:
             record("killed_scheduler", before=name if before else None, after=None if before else name)
-            owner._kill_scheduler()
+            owner.kill_scheduler()
 
     def info(kwargs: dict[str, Any], args: tuple) -> dict[str, Any]:
         tags = kwargs.get("tags", args[0] if args and name.endswith("occupation") else None)

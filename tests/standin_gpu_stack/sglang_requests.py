@@ -1,7 +1,7 @@
 """What milehpc's SGLangEngine sends through ``engine.tokenizer_manager``: SGLang's ``io_struct`` request objects
 (the real ones, built by milehpc) to async methods, here answered by a stand-in engine's plain methods. An update
-outside a begin/end session is refused, as SGLang's weight updater does. Shared by the sglang stand-ins (the
-package beside this file, tests/sglang_standin_scheduler.py, tests/test_sglang_colocate.py)."""
+outside a begin/end session is refused, as SGLang's weight updater does. Used by the recording engine of
+tests/test_sglang_colocate.py."""
 
 from __future__ import annotations
 

@@ -12,10 +12,12 @@ TAG_NOTICE     trainer rank 0 → rollout ranks    ``(WEIGHTS, version)`` (a wei
                                                  ``(CHECKPOINT, {"step", "stop"})``, ``(STOP, -1)``; taken between
                                                  generations only
 TAG_SHARE      trainer rank 0 → trainer ranks    ``(step, groups, last)``, or ``(step, RESYNC, version)``: an engine
-                                                 restarted, join a re-sync of ``version`` first
+                                                 restarted, join a re-sync of ``version`` first; SGLang: ``(step,
+                                                 EVAL_DONE, False)`` after step ``step``'s evaluation is in
 TAG_RESYNC     trainer rank 0 → rollout ranks    ``(WEIGHTS, version)`` of a re-sync (SGLang), ``(STOP, -1)``
 TAG_ALIVE      engine leader ↔ engine leaders    ``(b, healthy)`` before batch ``b`` (SGLang router)
-TAG_EVAL       engine leader → trainer rank 0    ``(step, EvalShare)``: its share of step ``step``'s evaluation
+TAG_EVAL       engine leader → trainer rank 0    ``(step, EvalShare)``: its share of step ``step``'s evaluation;
+                                                 ``(step, RESYNC)``: its engine restarted during it (SGLang)
 =============  ================================  ====================================================================
 
 Sends never block (a blocking send could deadlock against a peer busy in a weight broadcast): the mailbox keeps each
@@ -35,7 +37,7 @@ TAG_BATCH, TAG_NOTICE, TAG_SHARE = 32101, 32102, 32103
 TAG_RESYNC, TAG_ALIVE, TAG_EVAL = 32104, 32105, 32106
 
 # Message kinds.
-BATCH, RESYNC, BYE = "batch", "resync", "bye"
+BATCH, RESYNC, BYE, EVAL_DONE = "batch", "resync", "bye", "eval-done"
 WEIGHTS, CHECKPOINT, STOP, EVAL_WEIGHTS = "weights", "checkpoint", "stop", "weights+eval"
 STOP_NOTICE = (STOP, -1)
 

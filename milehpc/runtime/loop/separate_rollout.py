@@ -11,7 +11,8 @@ so nothing is in flight at shutdown.
 
 Engines that receive the weight bytes directly (SGLang, :mod:`milehpc.weights.sglang`) also swap health flags with
 the other engine leaders before each batch, take their share of the prompts from the router over the live engines,
-restart a dead engine in place and have it re-synced; while waiting they serve the re-syncs of other engines.
+restart a dead engine in place and have it re-synced; while waiting they serve the re-syncs of other engines. An
+engine that dies during an evaluation is restarted and re-synced the same way, then evaluates again.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from milehpc.errors import RuntimeFailure
+from milehpc.faults import armed
 from milehpc.runtime.loop.evaluation import LoopEval
 from milehpc.runtime.loop.protocol import (
     BATCH,
@@ -147,10 +150,35 @@ class SeparateRollout:
             sync_weights(self.comms, version, engine=self.side)
         self.side.add_time("time_load_weights", time.perf_counter() - t0)
         if eval_step is not None and self.evals is not None:  # engine leaders: evaluate these weights
-            part = self.evals.share(self.engine, self.side.state.weight_version, engine_index=self.side.e,
-                                    num_engines=self.plan.engines)
+            part = self.evaluate(eval_step)
             self.box.send((eval_step, part), 0, TAG_EVAL, f"evaluation of step {eval_step} to trainer rank 0")
         return True
+
+    def evaluate(self, step: int) -> Any:
+        """This engine's share of step ``step``'s evaluation. An SGLang engine that dies during it restarts in
+        place, has the trainer re-sync the same weights (``(step, RESYNC)`` on TAG_EVAL) and evaluates again."""
+        assert self.evals is not None
+        fault = self.direct and armed("eval", step)  # MILEHPC_FAULT=eval:STEP, once: the redo must succeed
+        while True:
+            if fault:
+                fault = False
+                self.engine.kill_scheduler()  # type: ignore[attr-defined]
+            try:
+                return self.evals.share(self.engine, self.side.state.weight_version, engine_index=self.side.e,
+                                        num_engines=self.plan.engines)
+            except RuntimeFailure:
+                if not self.direct or cast("DirectSyncEngine", self.engine).health():
+                    raise
+            self.restart_resynced((step, RESYNC), TAG_EVAL, f"evaluation of step {step}")
+
+    def restart_resynced(self, request: Any, tag: int, what: str) -> None:
+        """Restart the dead engine in place, ask trainer rank 0 for a re-sync (``request`` on ``tag``) and wait,
+        serving re-syncs, until the engine holds the trainer's weights again."""
+        engine = cast("DirectSyncEngine", self.engine)
+        engine.restart()
+        self.box.send(request, 0, tag, f"re-sync request ({what}) to trainer rank 0")
+        self.wait_serving(lambda: None if engine.needs_weight_sync else (True,),
+                          f"re-sync of restarted engine {self.side.e} ({what})")
 
     # ---- engines that receive weights directly (SGLang) ---------------------------------------------------
     def serve_resyncs(self) -> bool:
@@ -200,7 +228,4 @@ class SeparateRollout:
             costs = [side.source.peek(b * ro.prompts_per_step + i).ids for i in range(ro.prompts_per_step)]
             side.quota = len(split_prompts(costs, ro.n_samples, ro.max_new_tokens, len(leaders), router)[side.e])
         if not healthy:
-            engine.restart()
-            self.box.send((RESYNC, b, [], {}), 0, TAG_BATCH, "re-sync request to trainer rank 0")
-            self.wait_serving(lambda: None if engine.needs_weight_sync else (True,),
-                              f"re-sync of restarted engine {side.e}")
+            self.restart_resynced((RESYNC, b, [], {}), TAG_BATCH, f"batch {b}")

@@ -18,6 +18,7 @@ from milehpc.runtime.loop.evaluation import LoopEval, eval_due
 from milehpc.runtime.loop.protocol import (
     BATCH,
     BYE,
+    EVAL_DONE,
     EVAL_WEIGHTS,
     RESYNC,
     STOP_NOTICE,
@@ -84,6 +85,8 @@ class SeparateTrainer:
                 metrics["time/step"] = time.perf_counter() - t0
                 if evaluate and self.leader:
                     metrics.update(self.collect_eval(step))
+                elif evaluate and self.direct:  # an engine may need a re-sync before its evaluation is in
+                    self.take_share(step, until_eval_done=True)
                 if self.leader:
                     side.report(step, metrics, groups)
                 self.ckpt.step_done(step, trainer=side, mailbox=self.box, final=last)
@@ -153,10 +156,16 @@ class SeparateTrainer:
         parts = []
         for src in self.leaders:
             got, part = self.box.recv(src, TAG_EVAL, f"evaluation of step {step} from engine leader {src}")
+            while part == RESYNC:  # its engine died during the evaluation and restarted: the same weights again
+                self.resync(step)
+                got, part = self.box.recv(src, TAG_EVAL, f"evaluation of step {step} from engine leader {src}")
             if got != step:
                 raise RuntimeFailure(f"trainer rank 0 expected the evaluation of step {step} from rank {src}, "
                                      f"got step {got}")
             parts.append(part)
+        if self.direct:
+            for r in self.trainers[1:]:
+                self.box.send((step, EVAL_DONE, False), r, TAG_SHARE, f"end of evaluation {step} to rank {r}")
         return self.evals.metrics(step, parts)
 
     def receive_batch(self, step: int, src: int) -> tuple[list[Group], dict[str, float]]:
@@ -165,14 +174,17 @@ class SeparateTrainer:
         what = f"batch {step} from engine leader {src}"
         kind, b, groups, stats = self.box.recv(src, TAG_BATCH, what)
         while kind == RESYNC:
-            for r in self.trainers[1:]:
-                self.box.send((step, RESYNC, self.side.state.weight_version), r, TAG_SHARE,
-                              f"re-sync notice to rank {r}")
-            self.push_weights(self.side.state.weight_version, TAG_RESYNC)
+            self.resync(step)
             kind, b, groups, stats = self.box.recv(src, TAG_BATCH, what)
         if kind != BATCH or b != step:
             raise RuntimeFailure(f"trainer rank 0 expected batch {step} from rank {src}, got {kind} {b}")
         return groups, stats
+
+    def resync(self, step: int) -> None:
+        """Rank 0: an engine restarted; every stage leader sends the current weights to every engine again."""
+        for r in self.trainers[1:]:
+            self.box.send((step, RESYNC, self.side.state.weight_version), r, TAG_SHARE, f"re-sync notice to rank {r}")
+        self.push_weights(self.side.state.weight_version, TAG_RESYNC)
 
     def stop_rollouts(self) -> None:
         """Stop the rollout ranks and drain what they still send, so nothing is in flight at shutdown."""
@@ -185,10 +197,14 @@ class SeparateTrainer:
         self.box.flush()
 
     # ---- the other trainer ranks --------------------------------------------------------------------------
-    def take_share(self, step: int) -> tuple[list[Any], bool]:
-        """This rank's share of step ``step`` from rank 0, joining the re-syncs announced before it."""
-        _, mine, last = self.box.recv(0, TAG_SHARE, f"step {step} share from trainer rank 0")
+    def take_share(self, step: int, *, until_eval_done: bool = False) -> tuple[list[Any], bool]:
+        """This rank's share of step ``step`` from rank 0 (or, ``until_eval_done``, the end of step ``step``'s
+        evaluation), joining the re-syncs announced before it."""
+        what = f"step {step} {'evaluation' if until_eval_done else 'share'} from trainer rank 0"
+        _, mine, last = self.box.recv(0, TAG_SHARE, what)
         while mine == RESYNC:  # an engine restarted (see receive_batch): `last` carries the version
             self.push_weights(last, TAG_RESYNC)
-            _, mine, last = self.box.recv(0, TAG_SHARE, f"step {step} share from trainer rank 0")
+            _, mine, last = self.box.recv(0, TAG_SHARE, what)
+        if (mine == EVAL_DONE) != until_eval_done:
+            raise RuntimeFailure(f"trainer rank {self.comms.rank} expected the {what}, got {str(mine)[:80]}")
         return mine, last
