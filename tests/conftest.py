@@ -24,15 +24,20 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The files with the most slow tests run first (each file's own order kept). Under pytest-xdist
-    (scripts/test.sh: ``--dist loadfile --no-loadscope-reorder``) a long file then starts early instead of leaving
-    one worker busy at the end while the other idles."""
+    """The longest files run first (each file's own order kept): a slow test counts half a minute unless its marker
+    says more (``pytest.mark.slow(minutes=5)``). Under pytest-xdist (scripts/test.sh: ``--dist loadfile
+    --no-loadscope-reorder``) a long file then starts early instead of leaving one worker busy at the end while the
+    other idles."""
     def file_of(item) -> str:
         return item.nodeid.split("::")[0]
 
-    slow = Counter(file_of(item) for item in items if item.get_closest_marker("slow"))
+    minutes: Counter[str] = Counter()
+    for item in items:
+        mark = item.get_closest_marker("slow")
+        if mark is not None:
+            minutes[file_of(item)] += mark.kwargs.get("minutes", 0.5)
     first_seen = {f: i for i, f in enumerate(dict.fromkeys(map(file_of, items)))}
-    items.sort(key=lambda item: (-slow[file_of(item)], first_seen[file_of(item)]))
+    items.sort(key=lambda item: (-minutes[file_of(item)], first_seen[file_of(item)]))
 
 
 def pytest_addoption(parser):

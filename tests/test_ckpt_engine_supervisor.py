@@ -152,45 +152,51 @@ def test_engine_killed_during_a_real_run_is_recovered_and_the_run_is_unchanged(t
     assert not different, different[:5]
 
 
-@pytest.mark.parametrize("next_call", ["update_weights", "generate", "just_after_the_reply"])
-def test_engine_killed_between_generations_keeps_its_sampling_state(job: JobSpec, next_call: str) -> None:
+NEXT_CALLS = ["update_weights", "generate", "just_after_the_reply"]
+
+
+def test_engine_killed_between_generations_keeps_its_sampling_state(job: JobSpec) -> None:
     """A death noticed at the next call of any kind (not mid-generation) must not reset the engine's RNG: the
     following generation gives the samples of an engine that never died. ``just_after_the_reply``: the engine dies
-    the moment it has answered a generation, before the supervisor could ask anything else."""
+    the moment it has answered a generation, before the supervisor could ask anything else. One supervised engine
+    dies once per case, in turn (one child start per case, not two: CI time), against one engine that never died
+    making the same calls: each restart must restore the RNG state the previous one left."""
     prompts = [[3, 4, 5], [6, 7, 5]]
     clean_engine = reference_in_child(to_dict(job), rank=0)
     weights = _trained_weights(clean_engine)
     clean_engine.update_weights(weights, 7)
-    clean_engine.generate(prompts, SAMPLING)
-    if next_call == "update_weights":
-        clean_engine.update_weights(weights, 8)
-    want = clean_engine.generate(prompts, SAMPLING)
 
     engine = ProcessEngine(FACTORY, {"job": to_dict(job), "rank": 0})
     sup = EngineSupervisor(engine)
     try:
         sup.update_weights(weights, version=7)
-        first = engine.pid
-        if next_call == "just_after_the_reply":
-            answer = engine.call
+        for restarts, next_call in enumerate(NEXT_CALLS, start=1):
+            clean_engine.generate(prompts, SAMPLING)
+            if next_call == "update_weights":
+                clean_engine.update_weights(weights, 8)
+            want = clean_engine.generate(prompts, SAMPLING)
 
-            def answer_then_die(method: str, *args: object) -> object:
-                out = answer(method, *args)
-                if method.startswith("generate"):
-                    del engine.call  # once
-                    os.kill(engine.pid, signal.SIGKILL)
-                    engine.proc.wait()
-                return out
+            before = engine.pid
+            if next_call == "just_after_the_reply":
+                answer = engine.call
 
-            engine.call = answer_then_die
-        sup.generate(prompts, SAMPLING)
-        if next_call != "just_after_the_reply":
-            os.kill(engine.pid, signal.SIGKILL)  # idle: noticed at the next call
-        if next_call == "update_weights":
-            sup.update_weights(weights, version=8)
-        got = sup.generate(prompts, SAMPLING)
-        assert engine.pid != first and sup.stats()["engine_restarts"] == 1
+                def answer_then_die(method: str, *args: object, _answer=answer) -> object:
+                    out = _answer(method, *args)
+                    if method.startswith("generate"):
+                        del engine.call  # once
+                        os.kill(engine.pid, signal.SIGKILL)
+                        engine.proc.wait()
+                    return out
+
+                engine.call = answer_then_die
+            sup.generate(prompts, SAMPLING)
+            if next_call != "just_after_the_reply":
+                os.kill(engine.pid, signal.SIGKILL)  # idle: noticed at the next call
+            if next_call == "update_weights":
+                sup.update_weights(weights, version=8)
+            got = sup.generate(prompts, SAMPLING)
+            assert engine.pid != before and sup.stats()["engine_restarts"] == restarts, next_call
+            assert [(s.response_ids, s.rollout_logprobs) for s in got] == [(s.response_ids, s.rollout_logprobs)
+                                                                           for s in want], next_call
     finally:
         sup.shutdown()
-    assert [(s.response_ids, s.rollout_logprobs) for s in got] == [(s.response_ids, s.rollout_logprobs)
-                                                                   for s in want]

@@ -27,16 +27,17 @@ max_position_embeddings = 32
 """
 
 
-def run_job(tmp_path: Path, body: str, *, hidden: int = 32, timeout: int = 400) -> list[dict]:
+def run_job(tmp_path: Path, body: str, *, hidden: int = 32, timeout: int = 400,
+            env: dict[str, str] | None = None) -> list[dict]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     job = tmp_path / "job.toml"
     job.write_text(textwrap.dedent(body) + MODEL.format(hidden=hidden, inter=2 * hidden))
-    return run_cli(tmp_path, job, timeout=timeout)
+    return run_cli(tmp_path, job, timeout=timeout, env=env)
 
 
-def run_cli(tmp_path: Path, job: Path, *, timeout: int) -> list[dict]:
+def run_cli(tmp_path: Path, job: Path, *, timeout: int, env: dict[str, str] | None = None) -> list[dict]:
     rdir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_PROGRESS": "plain"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_PROGRESS": "plain", **(env or {})}
     milehpc = Path(sys.executable).with_name("milehpc")
     proc = subprocess.run([str(milehpc), "run", str(job), "--site", "local", "--run-dir", str(rdir)],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -59,6 +60,12 @@ def test_grpo_reward_rises_with_one_rollout_and_two_trainer_ranks(tmp_path) -> N
 
 
 def test_sync_loop_logprobs_agree_right_after_each_sync(tmp_path) -> None:
+    """Also: the rollout rank takes 12 s longer than the 5-s collective timeout to build its engine (as a large model
+    loads), and the job still starts: the ranks wait for each other's start-up under resources.startup_timeout_s."""
+    slow = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "slow_start"),
+                                                        os.environ.get("PYTHONPATH")])),
+            "MILEHPC_TEST_SLOW_ENGINE": "1:12",
+            "MILEHPC_HEARTBEAT_TIMEOUT": "60"}  # not min(5 s, 60 s): a loaded CI machine can delay a heartbeat
     records = run_job(tmp_path, """
         name = "agree"
         [data]
@@ -76,7 +83,9 @@ def test_sync_loop_logprobs_agree_right_after_each_sync(tmp_path) -> None:
         steps = 4
         loop = "sync"
         check_logprobs = true
-    """)
+        [resources]
+        collective_timeout_s = 5
+    """, env=slow)
     assert records[0]["dist/mpi_world_size"] == 2
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for r in records:

@@ -299,6 +299,8 @@ class ResourcesSpec:
     partition: str | None = opt(None, pattern=NAME, expect="a partition name of the site")
     colocate: bool = opt(False, help="every rank is both trainer and rollout (shares GPUs)")
     collective_timeout_s: float = opt(600.0, min=1.0)
+    startup_timeout_s: float = opt(1800.0, min=1.0, help="how long the ranks wait for the slowest one to build its "
+                                                      "engine and trainer (model loading, engine start-up)")
     use: list[str] = opt([], pattern=NAME, expect="a named resource of the site (e.g. nvme)",
                          help="named site resources to request, e.g. ['nvme'] on frontier-like")
     mail_user: str | None = opt(None, pattern=r"[A-Za-z0-9_.+-]+@[A-Za-z0-9.-]+", expect="an e-mail address")

@@ -44,6 +44,7 @@ recording fake derived from the installed binary (tests/tms_real.py).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 
 TRAIN_TAG = "train"
 T = TypeVar("T")
+log = logging.getLogger("milehpc.runtime.offload")
 
 
 class MemorySaver(Protocol):
@@ -138,6 +140,7 @@ class StepReport:
     freed_rollout_bytes: int = 0
     freed_train_bytes: int = 0
     update_bytes: int = 0
+    engine_deaths: int = 0  # engine deaths noticed this step (each is followed by one restart in place)
 
     @property
     def update_gbps(self) -> float:
@@ -148,17 +151,19 @@ class StepReport:
         out = {f"time/colocate_{k}": v for k, v in self.times.items()}
         out.update({"colocate/freed_rollout_gb": self.freed_rollout_bytes / 1e9,
                     "colocate/freed_train_gb": self.freed_train_bytes / 1e9,
-                    "colocate/update_gb": self.update_bytes / 1e9, "colocate/update_gbps": self.update_gbps})
+                    "colocate/update_gb": self.update_bytes / 1e9, "colocate/update_gbps": self.update_gbps,
+                    "colocate/engine_deaths": float(self.engine_deaths)})
         return out
 
 
-def for_job(job: Any, engine: Any, *, device: Any = None) -> ColocatedStep | None:
+def for_job(job: Any, engine: Any, *, device: Any = None, rank: int | None = None) -> ColocatedStep | None:
     """The colocated driver for a job whose engine offloads (SGLang), else None (the CPU reference engine shares
     nothing worth offloading). Build the trainer inside ``step.train_region()``; per step the loop then calls
-    :meth:`ColocatedStep.generate_phase` and :meth:`ColocatedStep.train_phase`."""
+    :meth:`ColocatedStep.generate_phase` and :meth:`ColocatedStep.train_phase`. ``rank``: this MPI rank, for the
+    log line of an engine death."""
     if not (job.resources.colocate and job.rollout.engine == "sglang"):
         return None
-    return ColocatedStep(engine, None, torch_memory_saver_backend(), device=device)
+    return ColocatedStep(engine, None, torch_memory_saver_backend(), device=device, rank=rank)
 
 
 class ColocatedStep:
@@ -171,12 +176,14 @@ class ColocatedStep:
 
     def __init__(self, engine: Any, trainer: Any, saver: MemorySaver, *, device: Any = None,
                  groups: ReloadableGroups | None = None, memory_probe: Callable[[], int] = gpu_used_bytes,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, rank: int | None = None) -> None:
         self.engine, self.trainer, self.saver = engine, trainer, saver
+        self.rank = rank
         self.device, self.groups = device, groups
         self.memory_probe, self.clock = memory_probe, clock
         self.train_paused = False
         self.engine_resident = False  # restarted since its release: weights and KV cache both on the device
+        self._death_noted = False  # a death logged and counted, its restart still to come
         self._snapshot = HostSnapshot()
         self.report = StepReport()
 
@@ -198,29 +205,45 @@ class ColocatedStep:
         with self.saver.region(TRAIN_TAG, enable_cpu_backup=True):
             yield
 
-    def _restart_engine(self) -> None:
+    def _note_death(self, when: str, why: str | None = None) -> None:
+        """One log line (rank, engine, what died) and one count per engine death, where it is first noticed; the
+        restart that follows does not count it again."""
+        if self._death_noted:
+            return
+        self._death_noted = True
+        self.report.engine_deaths += 1
+        reason = why or getattr(self.engine, "dead_reason", None) or "its health check failed"
+        log.warning("milehpc: rank %s: rollout engine %s died %s (%s); restarting it in place", self.rank,
+                    getattr(self.engine, "engine_index", 0), when, reason)  # not info(): a dead engine's call
+
+    def _restart_engine(self, when: str, why: str | None = None) -> None:
         """A dead engine (its scheduler process died) restarts in place, resident, with the checkpoint's (or random)
         weights; only while the trainer is paused (a death at :meth:`offload_rollout` waits for the onload)."""
+        self._note_death(when, why)
         self.engine.restart()  # raises once rollout.options.max_restarts is used up
+        self._death_noted = False
         self.engine_resident = True
 
-    def _engine_died(self, err: RuntimeFailure) -> None:
+    def _engine_died(self, err: RuntimeFailure, when: str) -> None:
         """Re-raise ``err`` unless the engine died during the call; then restart it."""
         if self.engine.health():
             raise err
-        self._restart_engine()
+        self._restart_engine(when, str(err))
 
     def offload_rollout(self) -> None:
         before = self.memory_probe()
 
         def run() -> None:
+            # Dead: its memory went with its processes; restarted at onload_weights (the trainer is not paused yet).
             if not self.engine.health():
-                return  # dead: its memory went with its processes; restarted at onload_weights
+                self._note_death("after generating, before releasing its memory")
+                return
             try:
                 self.engine.release_memory()
-            except RuntimeFailure:
+            except RuntimeFailure as err:
                 if self.engine.health():
                     raise
+                self._note_death("while releasing its memory", str(err))
 
         self._timed("offload_rollout", run)
         self.engine_resident = False
@@ -263,12 +286,12 @@ class ColocatedStep:
         if self.engine_resident:
             return False  # restarted: resident already (resuming an unreleased tag kills SGLang's scheduler)
         if not self.engine.health():
-            self._restart_engine()
+            self._restart_engine(f"before resuming {','.join(tags)}")
             return True
         try:
             self.engine.resume_memory(list(tags))
         except RuntimeFailure as err:
-            self._engine_died(err)
+            self._engine_died(err, f"while resuming {','.join(tags)}")
             return True
         return False
 
@@ -284,7 +307,7 @@ class ColocatedStep:
             try:
                 self.engine.update_weights(self._snapshot.upload(self.device), version)
             except RuntimeFailure as err:  # the engine died during the update: again, into the restarted one
-                self._engine_died(err)
+                self._engine_died(err, "during a weight update")
                 self.engine.update_weights(self._snapshot.upload(self.device), version)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -294,11 +317,10 @@ class ColocatedStep:
         self.report.update_bytes = self._snapshot.uploaded_bytes
 
     def onload_kv(self) -> None:
-        def run() -> None:
-            if self._onload(ONLOAD_AFTER_UPDATE):  # died after its update: refill the restarted engine
-                self.update_weights(self.trainer.version)
-
-        self._timed("onload_kv", run)
+        # Died after its update: refill the restarted engine, timed as an update (not inside onload_kv as well: the
+        # step's phase times add up to the step's time).
+        if self._timed("onload_kv", lambda: self._onload(ONLOAD_AFTER_UPDATE)):
+            self.update_weights(self.trainer.version)
 
     # ---- the two halves of a step, and the whole step ----------------------------------------------------
     def generate_phase(self, produce: Callable[[], T]) -> T:
@@ -306,7 +328,7 @@ class ColocatedStep:
         last snapshot), then ``produce()`` generates, then the rollout side is offloaded."""
         self.report = StepReport()
         if not self.engine.health():
-            self._restart_engine()
+            self._restart_engine("before generating")
             self.update_weights(self.trainer.version)
         out = self._timed("generate", produce)
         self.offload_rollout()

@@ -32,7 +32,7 @@ def run(ctx: RunContext, *, progress: bool = True, checkpointing: LoopCheckpoint
     if plan.colocated and engine is not None:
         from milehpc.runtime.offload import for_job
 
-        colo = for_job(job, engine, device=comms.device)  # None for engines with nothing to offload
+        colo = for_job(job, engine, device=comms.device, rank=comms.rank)  # None: nothing to offload
     if plan.is_trainer(comms.rank):
         make_trainer = plugins.load("trainer", job.trainer.backend, file=file, field="trainer.backend")
         if colo is not None:  # parameters and optimizer state in the pausable region
@@ -40,6 +40,12 @@ def run(ctx: RunContext, *, progress: bool = True, checkpointing: LoopCheckpoint
                 trainer = colo.trainer = make_trainer(ctx)
         else:
             trainer = make_trainer(ctx)
+    if comms.size > 1:
+        # Loading a large model or starting an engine can take much longer than any later collective: wait for it
+        # here, under its own limit, so the first collective (the resume agreement) is not timed from a rank that
+        # is still loading. A rank that dies meanwhile is named by the heartbeat watchdog as usual.
+        comms.barrier(what="start-up: every rank builds its engine and trainer",
+                      timeout=job.resources.startup_timeout_s)
     ckpt = checkpointing or LoopCheckpoint.for_context(ctx)
     if plan.colocated:
         from milehpc.runtime.loop.colocated import run_colocated
