@@ -5,7 +5,6 @@ DDP over gloo."""
 from __future__ import annotations
 
 import random
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from spawn_ranks import spawn_ranks
 
 from milehpc.algorithms.aggregation import MODES, Aggregator, masked_whiten
 
@@ -204,21 +204,12 @@ def _ddp_rank(rank: int, world: int, store: str, out_dir: str, modes: list[str])
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ddp_gloo_gradients_equal_single_rank_union(tmp_path):
-    import torch.multiprocessing as mp
-
     from milehpc.algorithms.api import Algorithm
     from milehpc.samples.batch import to_batch
 
     world, modes = 2, list(MODES)
-    ctx = mp.start_processes(_ddp_rank, args=(world, str(tmp_path / "store"), str(tmp_path), modes),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + 150
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("DDP ranks did not finish within 150 s (rank 0 and 1 over gloo)")
-    assert len(ctx.processes) == world
+    spawn_ranks(_ddp_rank, (world, str(tmp_path / "store"), str(tmp_path), modes), world, seconds=150,
+                what="the DDP ranks")
     samples, AlgorithmSpec = _ddp_case()
     for advantage in ("reinforce_pp", "reinforce_pp_baseline"):
         full = to_batch(samples, 0)

@@ -1,4 +1,4 @@
-"""Multi-LoRA under real mpirun (`milehpc run examples/multi-lora.toml --site local`), 1 rollout rank + 1 trainer rank: two adapters on one
+"""Multi-LoRA under real mpirun (`milehpc run examples/multi-lora.toml --site local`), 1 rollout rank + 2 trainer ranks: two adapters on one
 base, one on task:reverse and one on task:sort, each with its own prompts, reward and optimizer (the warm-up is LoRA
 too: each adapter's SFT on its own task, then RL). The engine's logprobs agree with the trainer's peft forward after
 every sync (each adapter's prompts were generated with that adapter), only the adapters travel (bytes per adapter),
@@ -54,7 +54,7 @@ def test_two_adapters_each_learn_their_task_and_export_as_peft_folders(tmp_path)
     records = run_cli(tmp_path, EXAMPLE, timeout=600)
     print(f"multi-LoRA job: {records[-1]['time/elapsed']:.1f}s of RL after a {SFT}-step LoRA warm-up")
     assert [r["step"] for r in records] == list(range(STEPS))
-    assert records[0]["dist/mpi_world_size"] == 2 and records[0]["dist/rollout_ranks"] == 1
+    assert records[0]["dist/mpi_world_size"] == 3 and records[0]["dist/rollout_ranks"] == 1
     for r in records:
         assert r["train/logprob_diff_max"] <= 1e-5, r["train/logprob_diff_max"]
         assert r["adapter/rev/samples"] == r["adapter/srt/samples"] == 16

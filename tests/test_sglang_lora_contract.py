@@ -2,7 +2,9 @@
 ``peft`` on a tiny Qwen2 (milehpc's own :func:`milehpc.train.lora.attach` / :func:`~milehpc.train.lora.export`, what
 a sync carries) goes through milehpc's :meth:`SGLangEngine.update_weights` into SGLang's LoRA API, and the engine's
 greedy output equals ``PeftModel`` + transformers' ``generate`` (logprobs agree as after any sync); a second version
-replaces the first (output follows it, the first is unloaded). One engine for the module; LoRA on the CPU needs
+replaces the first (output follows it, the first is unloaded); two named adapters (multi-LoRA) loaded side by side, each
+request routed to its own (greedy output equal to peft's with that adapter). One engine for the module, started with
+the multi-LoRA job's server arguments; LoRA on the CPU needs
 :mod:`milehpc.rollout.sglang_lora`'s torch_native backend and its pinning shim in the scheduler."""
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from required import require_module
 from sglang_real import TESTED, engine_args, require_real_sglang, tiny_qwen2
 
 PROMPTS = [[5, 9, 3, 7], [11, 4, 8], [20, 21]]
+ADAPTERS = ("rev", "srt")
+EOS = 2  # tiny_qwen2's eos_token_id
 NEW = 6
 
 require_module("peft")
@@ -27,18 +31,27 @@ def spec():
 
 
 @pytest.fixture(scope="module")
+def multi_spec():
+    from milehpc.config.job import AdapterSpec, LoraSpec
+
+    return LoraSpec(rank=4, alpha=8.0, adapters={a: AdapterSpec(source="task:reverse") for a in ADAPTERS})
+
+
+@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     require_real_sglang()
     return tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2-lora"))
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, spec):
+def engine(model_dir, spec, multi_spec):
     from milehpc.config.sglang_options import parse_options
     from milehpc.rollout import sglang_lora
     from milehpc.rollout.sglang_engine import SGLangEngine
 
-    args = engine_args(model_dir, **sglang_lora.server_args(spec, cpu=True))
+    # The multi-LoRA job's arguments (one slot per adapter + the base); the one-adapter tests run on them alike.
+    args = engine_args(model_dir, **sglang_lora.server_args(multi_spec, cpu=True))
+    assert args["max_loras_per_batch"] == len(ADAPTERS) + 1
     eng = SGLangEngine(None, args, parse_options({}), eos_id=None, lora=spec)  # retries a lost port race itself
     yield eng
     eng.shutdown()
@@ -60,17 +73,19 @@ def policy(model_dir: Path, spec, seed: int):
     return module.eval()
 
 
-def greedy(engine) -> list:
+def greedy(engine, adapter: str | None = None) -> list:
     from milehpc.rollout.engine import SamplingParams
 
-    return engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=NEW))
+    return engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=NEW, adapter=adapter))
 
 
 def peft_greedy(module) -> list[list[int]]:
+    """transformers' greedy continuations, each cut after the model's EOS (SGLang stops at the config's EOS)."""
     import torch
 
-    return [module.generate(input_ids=torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    out = [module.generate(input_ids=torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    return [r[:r.index(EOS) + 1] if EOS in r else r for r in out]
 
 
 def assert_logprobs_agree(samples, module) -> None:
@@ -125,6 +140,44 @@ def test_contract_peft_adapter_loads_and_a_new_version_replaces_it(engine, model
     assert set(registry.get_all_adapters()) == {"milehpc-policy-v2-3"}
 
 
+def test_contract_several_adapters_load_side_by_side_and_route_per_request(engine, model_dir, multi_spec):
+    """Multi-LoRA: one sync carries both adapters under their names (milehpc.train.multi_lora's export); each loads
+    under its own versioned name, and a request naming an adapter gets that adapter's greedy output (peft's, that
+    adapter active), whichever was asked before; a second version replaces both (loaded before the old ones go)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from milehpc.train import lora
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    module = lora.attach(base, multi_spec, seed=0).eval()
+    registry = engine._engine.tokenizer_manager.lora_registry
+    for version in (10, 11):
+        g = torch.Generator().manual_seed(version)
+        with torch.no_grad():
+            for name, p in lora.trainable(module, list(ADAPTERS)):
+                p.add_(torch.randn(p.shape, generator=g) * (0.3 if "lora_B" in name else 0.1))
+        sent = [(n, t.clone()) for a in ADAPTERS for n, t in lora.export(module, multi_spec, a)]
+        engine.update_weights(iter(sent), version=version)
+        names = {a: engine.adapter_names[a] for a in ADAPTERS}
+        assert names == {a: f"milehpc-{a}-v{version}-{engine._adapter_loads - len(ADAPTERS) + 1 + i}"
+                         for i, a in enumerate(ADAPTERS)}
+        named = {n for n in registry.get_all_adapters() if not n.startswith("milehpc-policy-")}
+        assert named == set(names.values()), version  # the previous version's adapters are unloaded
+        want = {}
+        for a in ADAPTERS:
+            module.base_model.set_adapter(a)
+            want[a] = peft_greedy(module)
+        assert want["rev"] != want["srt"]  # the adapters differ in output: a misrouted request shows
+        for a in (*ADAPTERS, ADAPTERS[0]):  # interleaved: each request goes to its own adapter, both stay loaded
+            samples = greedy(engine, a)
+            assert [s.response_ids for s in samples] == want[a], (version, a)
+            module.base_model.set_adapter(a)
+            assert_logprobs_agree(samples, module)
+        held = dict(engine.named_parameters())
+        assert held.keys() >= {n for n, _ in sent} and all((held[n] == t).all() for n, t in sent)
+
+
 def test_contract_a_dead_lora_engine_comes_back_serving_its_adapter(engine, model_dir, spec):
     """Separate rollout ranks: a LoRA engine whose scheduler died is restarted in place by the next request, with
     LoRA enabled, and serves the adapter the rank held (same version, same greedy output and logprobs as peft)
@@ -133,6 +186,8 @@ def test_contract_a_dead_lora_engine_comes_back_serving_its_adapter(engine, mode
 
     module = policy(model_dir, spec, 3)
     engine.update_weights(lora.export(module, spec), version=3)
+    # The named adapters the multi-LoRA test left loaded come back too (a restart reloads every adapter held).
+    named = {a: [s.response_ids for s in greedy(engine, a)] for a in engine.adapter_names if a is not None}
     restarts = engine.restarts
     engine.kill_scheduler()  # what MILEHPC_FAULT=scheduler:N does: SIGKILL to the scheduler process
     assert not engine.health()
@@ -141,4 +196,26 @@ def test_contract_a_dead_lora_engine_comes_back_serving_its_adapter(engine, mode
     assert [s.response_ids for s in samples] == peft_greedy(module) and {s.weight_version for s in samples} == {3}
     assert_logprobs_agree(samples, module)
     registry = engine._engine.tokenizer_manager.lora_registry
-    assert set(registry.get_all_adapters()) == {engine.adapter_name}
+    assert set(registry.get_all_adapters()) == set(engine.adapter_names.values())
+    assert {a: [s.response_ids for s in greedy(engine, a)] for a in named} == named and set(named) == set(ADAPTERS)
+
+
+
+def test_contract_a_lora_engine_dying_inside_a_generate_call_answers_it_after_a_restart(engine, model_dir, spec):
+    """The scheduler dies while the generate call is under way (killed as the call enters SGLang): the engine restarts
+    in place, reloads the adapter and answers the same call, equal to peft's greedy output, instead of ending the run."""
+    from milehpc.train import lora
+
+    module = policy(model_dir, spec, 4)
+    engine.update_weights(lora.export(module, spec), version=4)
+    restarts, real = engine.restarts, engine._engine.generate
+
+    def dies_inside(*args, **kwargs):
+        engine._engine.generate = real  # once: the restarted engine is a new object anyway
+        engine.kill_scheduler()
+        return real(*args, **kwargs)
+
+    engine._engine.generate = dies_inside
+    samples = greedy(engine)
+    assert engine.restarts == restarts + 1 and engine.health() and engine.version == 4
+    assert [s.response_ids for s in samples] == peft_greedy(module) and {s.weight_version for s in samples} == {4}

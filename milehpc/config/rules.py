@@ -330,16 +330,16 @@ def lora_fits_the_trainer(job: JobSpec, file: str | None) -> None:
     trainer.precision × model.num_experts: the torch trainer's peft adapters train under DDP (peft under FSDP2
     sharding is not built); the Megatron trainer's TP-sharded adapters (milehpc.train.megatron.lora) train a dense
     model at any TP x DP on the local layer spec — no pipeline stages, distributed optimizer, transformer-engine
-    layers, adapter dropout or modules_to_save yet. Several adapters (trainer.lora.adapters) train on one torch
-    trainer rank (milehpc.train.multi_lora: one optimizer per adapter; DP over them is not built)."""
+    layers, adapter dropout or modules_to_save yet. Several adapters (trainer.lora.adapters) train on the torch
+    trainer, at any DP without FSDP (milehpc.train.multi_lora: one optimizer per adapter, gradients all-reduced per
+    adapter; Megatron is not built for them)."""
     spec, tr = job.trainer.lora, job.trainer
     if spec is None:
         return
-    if spec.adapters and (tr.backend != "torch" or tr.ranks > 1):
-        field, got = ("trainer.backend", repr(tr.backend)) if tr.backend != "torch" else ("trainer.dp", tr.ranks)
-        raise ConfigError(f"several adapters train on one rank of the torch trainer (each adapter steps its own "
-                          f"optimizer; DP and Megatron are not built for them): expected trainer.backend = 'torch' "
-                          f"with trainer.dp = 1, got {got}", file=file, field=field)
+    if spec.adapters and tr.backend != "torch":
+        raise ConfigError(f"several adapters train on the torch trainer (each adapter steps its own optimizer; "
+                          f"Megatron is not built for them): expected trainer.backend = 'torch', got "
+                          f"{tr.backend!r}", file=file, field="trainer.backend")
     if tr.backend == "torch":
         if tr.ranks > 1 and _trainer_options(job, file)["fsdp"]:
             raise ConfigError("[trainer.lora] trains under DDP: expected trainer.options.fsdp = false with several "
@@ -412,7 +412,8 @@ def lora_rolls_out_where_adapters_load(job: JobSpec, file: str | None) -> None:
 
 
 def _adapters_roll_out(job: JobSpec, file: str | None) -> None:
-    """Several adapters: the reference engine generates each adapter's prompts with that adapter merged, in plain
+    """Several adapters: the reference engine generates each adapter's prompts with that adapter merged (SGLang with
+    each adapter loaded by name: milehpc.rollout.sglang_lora; what it refuses for one adapter it refuses here), in plain
     generation rounds (no partial rollouts or custom generators: a continuation would not know its adapter); each
     adapter's source, params and reward fit their plugins, and every adapter gets at least one prompt per step."""
     from milehpc.config.job import adapter_prompts, reward_route
@@ -420,8 +421,9 @@ def _adapters_roll_out(job: JobSpec, file: str | None) -> None:
     spec, ro = job.trainer.lora, job.rollout
     assert spec is not None
     refused = [
-        (ro.engine != "reference", "rollout.engine", f"expected rollout.engine = 'reference' with several adapters "
-                                                     f"(it merges each adapter for its prompts), got {ro.engine!r}"),
+        (ro.engine not in ("reference", "sglang"), "rollout.engine",
+         f"expected rollout.engine = 'reference' or 'sglang' with several adapters (the reference engine merges each "
+         f"adapter for its prompts, SGLang loads each under its own name), got {ro.engine!r}"),
         (ro.partial_rollout, "rollout.partial_rollout", "expected rollout.partial_rollout = false with several "
                                                         "adapters, got true"),
         (ro.generator is not None, "rollout.generator", f"expected no rollout.generator with several adapters (the "

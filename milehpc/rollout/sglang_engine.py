@@ -267,8 +267,10 @@ class SGLangEngine:
         self._engine: Any = None
         self._pids: set[int] = set()
         self.lora = lora  # [trainer.lora] (LoraSpec): syncs load adapters through SGLang's LoRA API (sglang_lora)
-        self.adapter_name: str | None = None  # what every generate request names (None: the base model)
-        self.adapter: dict[str, Any] = {}  # the last loaded adapter (peft names)
+        # What a generate request names: adapter (None: the job's one adapter; multi-LoRA: its name) -> the name
+        # SGLang loaded it under, and its last loaded tensors (peft names); none loaded: the base model.
+        self.adapter_names: dict[str | None, str] = {}
+        self.adapters: dict[str | None, dict[str, Any]] = {}
         self._adapter_loads = 0  # loads so far: part of each adapter's name, never reused
         self._start()
 
@@ -339,7 +341,7 @@ class SGLangEngine:
             self._session_open = False
             self._syncing = None
             self.version = -1
-            self.adapter_name = None  # a new engine has no adapter loaded
+            self.adapter_names = {}  # a new engine has no adapter loaded
 
     @property
     def needs_weight_sync(self) -> bool:
@@ -418,17 +420,23 @@ class SGLangEngine:
             return []
         kwargs = sm.generate_kwargs(requests, return_routed_experts=self.moe_shape is not None)
         with self._lock:
-            if self._self_restarts():  # died since it last served: back with the adapter it held, at its version
-                version, held = self.version, self.adapter
-                self._revive_lora(version)
-                if held:
-                    self._load_peft(held, version)
-                else:
-                    self.version = version  # no adapter synced yet: the base is the policy (peft's B = 0)
-            version = self.version
-            if self.adapter_name is not None:
-                kwargs["lora_path"] = [self.adapter_name] * len(requests)
-            outputs = self._call("generate", self._engine.generate, **kwargs)
+            for attempt in (0, 1):  # a LoRA engine that dies during the call comes back and answers it once more
+                if self._self_restarts():  # died since it last served: back with its adapters, at its version
+                    version, held = self.version, dict(self.adapters)
+                    self._revive_lora(version)
+                    if held:
+                        self._load_peft(held, version)
+                    else:
+                        self.version = version  # no adapter synced yet: the base is the policy (peft's B = 0)
+                version = self.version
+                if (path := self.adapter_names.get(sampling.adapter)) is not None:
+                    kwargs["lora_path"] = [path] * len(requests)
+                try:
+                    outputs = self._call("generate", self._engine.generate, **kwargs)
+                    break
+                except RuntimeFailure:
+                    if attempt or not self._self_restarts():
+                        raise
         if isinstance(outputs, dict):
             outputs = [outputs]
         if len(outputs) != len(requests):
@@ -542,24 +550,36 @@ class SGLangEngine:
         scheduler its copy."""
         if not self.is_leader:
             return
-        tensors = sglang_lora.adapter_tensors(named_tensors, self.lora)
+        adapters = {a: sglang_lora.adapter_tensors(part, self.lora)
+                    for a, part in sglang_lora.split_adapters(named_tensors).items()}
         with self._lock:
             if self._self_restarts():  # died since it last served: restarted before the new adapter loads
                 self._revive_lora(version)
-            self._load_peft(tensors, version)
+            self._load_peft(adapters, version)
 
-    def _load_peft(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Load the adapter ``tensors`` (peft names) as weight version ``version``; the previous one unloaded after."""
-        config = sglang_lora.config_dict(tensors, self.lora)
+    @property
+    def adapter_name(self) -> str | None:
+        """The loaded name of the job's one adapter (None: none loaded)."""
+        return self.adapter_names.get(None)
+
+    def _load_peft(self, adapters: dict[str | None, dict[str, torch.Tensor]], version: int) -> None:
+        """Load each adapter's tensors (peft names) as weight version ``version``; the ones they replace are unloaded
+        once all loaded (a failed load leaves the engine serving the previous ones)."""
         with self._lock:
-            self._adapter_loads += 1  # a version sent again (a re-sync) loads under a new name too
-            name = sglang_lora.adapter_name(version, self._adapter_loads)
-            result = self._call("load_lora_adapter_from_tensors", self._engine.load_lora_adapter_from_tensors,
-                                name, tensors, config)
-            _check_result("load_lora_adapter_from_tensors", (result.success, result.error_message))
-            old, self.adapter_name, self.adapter = self.adapter_name, name, tensors
-            if old is not None:
-                self._unload_adapter(old)
+            loaded: dict[str | None, str] = {}
+            for adapter, tensors in adapters.items():
+                config = sglang_lora.config_dict(tensors, self.lora)
+                self._adapter_loads += 1  # a version sent again (a re-sync) loads under a new name too
+                name = sglang_lora.adapter_name(version, self._adapter_loads, adapter)
+                result = self._call("load_lora_adapter_from_tensors", self._engine.load_lora_adapter_from_tensors,
+                                    name, tensors, config)
+                _check_result("load_lora_adapter_from_tensors", (result.success, result.error_message))
+                loaded[adapter] = name
+            old = [self.adapter_names[a] for a in loaded if a in self.adapter_names]
+            self.adapter_names.update(loaded)
+            self.adapters.update(adapters)
+            for name in old:
+                self._unload_adapter(name)
             self.version = version
 
     def _unload_adapter(self, name: str) -> None:
@@ -681,8 +701,10 @@ class SGLangEngine:
         if self.lora is not None:
             from milehpc.rollout.reference import LORA_SCALING
 
-            yield LORA_SCALING, torch.tensor([self.lora.alpha / self.lora.rank], dtype=torch.float64)
-            yield from ((n.removeprefix(sglang_lora.PEFT_PREFIX), t) for n, t in self.adapter.items())
+            scaling = torch.tensor([self.lora.alpha / self.lora.rank], dtype=torch.float64)
+            for adapter in self.adapters or {None: {}}:
+                yield (LORA_SCALING if adapter is None else f"{LORA_SCALING}.{adapter}"), scaling
+                yield from sglang_lora.sync_names(adapter, self.adapters.get(adapter, {}))
             return
         for name in self._last_names:
             values = self._call("get_weights_by_name", self._engine.get_weights_by_name, name,

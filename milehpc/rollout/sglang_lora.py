@@ -13,13 +13,22 @@ How a sync reaches SGLang (checked against sglang 0.5.23, ``srt/entrypoints/engi
   (:func:`adapter_name`); the new one is loaded first and the old one unloaded after, so a failed load leaves the
   engine serving the previous adapter. Generation and updates share the engine's lock: no request uses the old
   name while it is unloaded.
-* A scheduler that dies (separate rollout ranks) is noticed at the engine's next use — a sync or a generation —
-  and the engine restarts in place with the same LoRA server arguments; it loads the adapter of the current version
-  (the new one a sync brings, or the one the rank holds) under a new name before it generates again. No re-sync
+* A scheduler that dies (separate rollout ranks) is noticed at the engine's next use — a sync or a generation — or
+  by the generate call it dies in (which is then answered once more), and the engine restarts in place with the same
+  LoRA server arguments; it loads the adapters of the current version (those a sync brings, or those the rank holds)
+  under new names before it generates again. No re-sync
   from the trainer is needed: the rollout rank holds the adapter. (A colocated engine is restarted and refilled by
   :mod:`milehpc.runtime.offload`.)
 * The base model is never synced: it is the checkpoint at ``model.path``, or for a random model the trainer's
   seeded build written once to the run directory (:func:`seeded_base_folder`) instead of SGLang's "dummy" weights.
+
+Several adapters (``[trainer.lora.adapters.NAME]``, multi-LoRA): a sync carries each adapter under its name
+(``<module>.lora_A.<NAME>.weight``, ``lora.scaling.<NAME>``: :func:`milehpc.train.multi_lora.export_adapters`);
+:func:`split_adapters` parts them by name (the names alone tell, as in the reference engine) and each is loaded under
+its own versioned name (:func:`adapter_name`) with the single adapter's translation. All the new names load before
+any old one is unloaded; a request's ``lora_path`` is the loaded name of its ``SamplingParams.adapter`` (an adapter not
+synced yet generates with the base, as peft's fresh B = 0 adapter). The engine holds ``max_loras_per_batch`` = the
+adapters plus the base, so a batch naming every adapter never waits for a slot.
 
 SGLang's LoRA cannot load modules trained in full (peft's ``modules_to_save``): the job rules refuse them, as they
 refuse target modules SGLang has no LoRA layer for (:data:`milehpc.config.rules.SGLANG_LORA_MODULES`).
@@ -36,7 +45,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +60,7 @@ if TYPE_CHECKING:
 
 PEFT_PREFIX = "base_model.model."  # peft's saved-adapter names (milehpc.train.lora strips it for the wire)
 ADAPTER_PARTS = (".lora_A.weight", ".lora_B.weight")
-MAX_LORAS_PER_BATCH = 2  # SGLang counts the base model as one; one policy adapter at a time
+MAX_LORAS_PER_BATCH = 2  # SGLang counts the base model as one; one policy adapter at a time (more: multi-LoRA)
 UNPIN_ENV = "MILEHPC_SGLANG_CPU_UNPINNED"  # set by the rank before it starts a CPU engine with LoRA
 
 
@@ -60,16 +69,44 @@ def server_args(spec: LoraSpec, *, cpu: bool) -> dict[str, Any]:
     models gets a slot (an adapter without one of them loads it as zeros), so the engine needs no model to start."""
     args: dict[str, Any] = {"enable_lora": True, "max_lora_rank": spec.rank,
                             "lora_target_modules": list(SGLANG_LORA_MODULES),
-                            "max_loras_per_batch": MAX_LORAS_PER_BATCH}
+                            "max_loras_per_batch": max(MAX_LORAS_PER_BATCH, len(spec.adapters) + 1)}
     if cpu:
         args["lora_backend"] = "torch_native"  # the default (csgmv) and triton need triton on a GPU
     return args
 
 
-def adapter_name(version: int, load: int) -> str:
+def adapter_name(version: int, load: int, adapter: str | None = None) -> str:
     """The name SGLang knows the ``load``-th loaded adapter by, of weight version ``version`` (a loaded name cannot be
-    loaded again, and a re-sent version must load before the one it replaces is unloaded)."""
-    return f"milehpc-policy-v{version}-{load}"
+    loaded again, and a re-sent version must load before the one it replaces is unloaded); ``adapter``: multi-LoRA's
+    adapter name (None: the job's one adapter)."""
+    return f"milehpc-{adapter or 'policy'}-v{version}-{load}"
+
+
+def split_adapters(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str | None, list[tuple[str, torch.Tensor]]]:
+    """A sync's tensors by adapter, each in the single adapter's names (``m.lora_A.NAME.weight`` -> ``NAME``:
+    ``m.lora_A.weight``, ``lora.scaling.NAME`` -> ``NAME``: ``lora.scaling``); one adapter's sync is all under None."""
+    out: dict[str | None, list[tuple[str, Any]]] = {}
+    for name, tensor in named:
+        adapter, plain = None, name
+        if name.startswith(LORA_SCALING + "."):
+            adapter, plain = name.removeprefix(LORA_SCALING + "."), LORA_SCALING
+        elif name.endswith(".weight"):
+            head, _, last = name.removesuffix(".weight").rpartition(".")
+            if head.endswith((".lora_A", ".lora_B", ".modules_to_save")):
+                adapter, plain = last, f"{head}.weight"
+        out.setdefault(adapter, []).append((plain, tensor))
+    return out
+
+
+def sync_names(adapter: str | None, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The inverse of :func:`split_adapters` after :func:`adapter_tensors`: one loaded adapter (peft names) in the
+    names its sync carried."""
+    for name, tensor in tensors.items():
+        name = name.removeprefix(PEFT_PREFIX)
+        if adapter is not None:
+            head, _, _ = name.rpartition(".")  # m.lora_A.weight -> m.lora_A.NAME.weight
+            name = f"{head}.{adapter}.weight"
+        yield name, tensor
 
 
 def module_kind(name: str) -> str:

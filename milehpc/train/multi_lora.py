@@ -6,7 +6,11 @@ reference (a copy of the policy when RL began: the base while the adapters are f
 optimizer alone. The weight sync carries every adapter under its own name (``<module>.lora_A.<NAME>.weight``,
 ``lora.scaling.<NAME>``); the reference engine merges each for its own prompts.
 
-Several adapters train on one trainer rank (the job rules refuse DP > 1 and the Megatron trainer with them).
+Over DP ranks (no DDP hooks: each adapter's backward covers a different set of parameters on each rank) every rank
+steps the adapters that any rank has samples of, in the job's order: a rank without samples of one joins with a
+stand-in (one of its samples, nothing trained on: zero gradients, zero tokens), so the collectives of the step and
+the manual all-reduce of that adapter's gradients (:func:`all_reduce_grads`, the DP mean as DDP takes it) match on
+every rank, and the update equals the single-rank one on the union batch. The Megatron trainer is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +37,15 @@ def adapter_of(sample: Sample) -> str:
     if name is None:
         raise RuntimeFailure(f"a multi-LoRA sample (group {sample.group}) names no adapter in its metadata")
     return str(name)
+
+
+def stand_in(sample: Sample, name: str) -> Sample:
+    """A copy of ``sample`` for adapter ``name`` that trains nothing (its loss mask all zeros, its own group): what a
+    DP rank without samples of ``name`` steps with, so that it joins that adapter's collectives."""
+    from dataclasses import replace
+
+    return replace(sample, loss_mask=[0] * len(sample.response_ids), group=-1,
+                   metadata={**sample.metadata, ADAPTER_KEY: name})
 
 
 def split_by_adapter(samples: list[Sample], adapters: list[str]) -> dict[str, list[Sample]]:
@@ -80,11 +93,19 @@ def per_adapter(trainer: TorchTrainer, samples: list[Sample], update: Callable[[
     its metrics under ``adapter/<NAME>/`` and the job's totals (token-weighted means; counts and times summed;
     extremes kept)."""
     per: dict[str, dict[str, float]] = {}
-    for name, part in split_by_adapter(samples, trainer.adapters).items():
-        if not part:
+    parts = split_by_adapter(samples, trainer.adapters)
+    counts = [float(len(p)) for p in parts.values()]
+    if trainer.dp_size > 1:  # every rank must step the same adapters, in the same order
+        from milehpc.comm.collectives import reduce_floats
+
+        counts = reduce_floats(counts)
+    for (name, part), count in zip(parts.items(), counts, strict=True):
+        if count == 0:
             if skipped is not None:
                 skipped(name)
             continue
+        if not part:  # other ranks have samples of it: join its collectives, training nothing
+            part = [stand_in(samples[0], name)]
         set_adapter(trainer, name)
         per[name] = update(part, name)
     out: dict[str, float] = {}
@@ -103,6 +124,26 @@ def per_adapter(trainer: TorchTrainer, samples: list[Sample], update: Callable[[
             else:
                 out[key] = out.get(key, 0.0) + value * weights[name] / total_w
     return out
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], dp_size: int) -> None:
+    """The DP mean of the active adapter's gradients (a missing one counts as zeros), in one flat all-reduce on the
+    default group's device (NCCL takes accelerator tensors only): what DDP's hooks would do, which multi-LoRA cannot
+    use (each adapter's backward touches different parameters)."""
+    import torch
+    import torch.distributed as dist
+
+    from milehpc.comm.collectives import collective_device
+
+    device = collective_device()
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device)
+                      for p in params])
+    dist.all_reduce(flat)
+    flat /= dp_size
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
 
 
 def count_skipped_step(scheduler: Any) -> None:

@@ -111,7 +111,10 @@ class TorchTrainer:
                 # peft's dropout draws from the process RNG, which nothing seeded before: seed it, so a rerun draws
                 # the same masks (a resume then restores the checkpoint's stream).
                 torch.manual_seed((job.run.seed * 1_000_003 + self.rank) % 2**63)
-        self.model = self._wrap(self.module)
+        # Multi-LoRA over DP: no DDP hooks (each adapter's backward leaves the others' gradients unset); the active
+        # adapter's gradients are all-reduced by hand before clipping (milehpc.train.multi_lora.all_reduce_grads).
+        self.manual_grad_sync = self.lora is not None and bool(self.lora.adapters) and self.dp_size > 1
+        self.model = self.module if self.manual_grad_sync else self._wrap(self.module)
         # FSDP2 shards the weights: gathering them for the weight sync is a collective over all trainer ranks.
         self.export_is_collective = bool(self.options["fsdp"]) and self.dp_size > 1
         # Multi-LoRA ([trainer.lora.adapters]): one optimizer and LR schedule per adapter, over that adapter alone.
@@ -266,6 +269,10 @@ class TorchTrainer:
     def _clip(self, model: Any) -> float:
         import torch
 
+        if self.manual_grad_sync and model is self.model:
+            from milehpc.train.multi_lora import all_reduce_grads
+
+            all_reduce_grads([p for p in model.parameters() if p.requires_grad], self.dp_size)
         params = [p for p in model.parameters() if p.grad is not None]
         if not params:
             return 0.0
@@ -354,6 +361,11 @@ class TorchTrainer:
                         d = (logp.detach() - mb.rollout_logprobs).abs()[m]
                         diff_max = max(diff_max, float(d.max()))
                         diff_sum, diff_n = diff_sum + float(d.sum()), diff_n + float(d.numel())
+            if self.dp_size > 1:
+                # A rank whose micro-batches had no tokens (a multi-LoRA stand-in) has no extremes: neutral ones, so
+                # every rank reduces the same keys.
+                sums.update({k: -math.inf if k.endswith("max") else math.inf for k in metrics
+                             if k.endswith(("max", "min")) and k not in sums})
             t1 = time.perf_counter()
             grad_norm = self._clip(self.model)
             maybe_fail("optimizer", self.steps)
