@@ -110,15 +110,16 @@ def test_a_batch_of_one_adapter_steps_that_adapter_alone() -> None:
     _randomize(trainer, 2)
     srt_before = {n: p.detach().clone() for n, p in lora.trainable(trainer.module, ["srt"])}
     rev_before = {n: p.detach().clone() for n, p in lora.trainable(trainer.module, ["rev"])}
+    # srt's samples: not the adapter peft left active (rev, the first), so the step must switch to it.
     samples = [Sample(prompt_ids=[5, 6, 7], response_ids=[8, 9, 2], group=g, index=i, reward=float(i % 2),
-                      rollout_logprobs=[-1.0] * 3, metadata={"adapter": "rev"})
+                      rollout_logprobs=[-1.0] * 3, metadata={"adapter": "srt"})
                for g in range(2) for i in range(2 * g, 2 * g + 2)]
     metrics = trainer.train_step(samples, 0)
     after = dict(trainer.module.named_parameters())
-    assert all(torch.equal(after[n], t) for n, t in srt_before.items())  # srt: not one bit moved
-    assert any(not torch.equal(after[n], t) for n, t in rev_before.items())
-    assert trainer.optimizers["srt"].state == {} and len(trainer.optimizers["rev"].state) == len(rev_before)
-    assert metrics["adapter/rev/lr"] == 1e-2 and "adapter/srt/loss" not in metrics
+    assert all(torch.equal(after[n], t) for n, t in rev_before.items())  # rev: not one bit moved
+    assert any(not torch.equal(after[n], t) for n, t in srt_before.items())
+    assert trainer.optimizers["rev"].state == {} and len(trainer.optimizers["srt"].state) == len(srt_before)
+    assert metrics["adapter/srt/lr"] == 2e-2 and "adapter/rev/loss" not in metrics
     adapters = {id(p) for _, p in lora.trainable(trainer.module, ["rev", "srt"])}
     base = [p for p in trainer.module.parameters() if id(p) not in adapters]
     assert base and not any(p.requires_grad for p in base)
@@ -151,3 +152,32 @@ def test_an_interrupted_two_adapter_run_resumes_bitwise_equal(tmp_path: Path) ->
     assert [k for k in got if not torch.equal(got[k], want[k])] == []
     for name in ("rev", "srt"):  # both stepped their own optimizer
         assert any(k.startswith(f"opt.{name}.") for k in got), name
+
+
+def test_adapter_names_torch_refuses_are_refused_and_one_named_like_a_module_exports() -> None:
+    """peft keeps adapters in torch ModuleDicts, which refuse a name that is one of their attributes ('train'):
+    refused in one line at load, the list checked against the installed torch. A name that is also a module's
+    ('mlp') is fine, and its checkpoint exports as that adapter alone (only the adapter's own name parts renamed)."""
+    import re
+
+    import pytest
+
+    from milehpc.config.job import ADAPTER_NAME, ADAPTER_RESERVED
+    from milehpc.errors import ConfigError
+    from milehpc.train.lora_export import policy_from_checkpoint
+
+    lora_table = {"rank": 4, "alpha": 8.0, "modules_to_save": ["lm_head"]}
+    with pytest.raises(ConfigError, match="trainer.lora.adapters.train"):
+        multi_job(trainer={"lora": {**lora_table, "adapters": {"train": ADAPTERS["rev"], "srt": ADAPTERS["srt"]}}})
+    job = multi_job(trainer={"lora": {**lora_table, "adapters": {"mlp": ADAPTERS["rev"], "srt": ADAPTERS["srt"]}}})
+    trainer = TorchTrainer(job, build_tokenizer("toy"))
+    # After the model is built: transformers and peft add attributes to torch modules too.
+    assert {n for n in dir(torch.nn.ModuleDict()) if re.fullmatch(ADAPTER_NAME, n)} <= ADAPTER_RESERVED
+    _randomize(trainer, 5)
+    state = trainer.state_dict_for_checkpoint()["model"]
+    module = policy_from_checkpoint(job, state, "mlp")
+    got = dict(lora.trainable(module))
+    want = {n.replace(".lora_A.mlp.", ".lora_A.default.").replace(".lora_B.mlp.", ".lora_B.default.")
+            .replace(".modules_to_save.mlp.", ".modules_to_save.default."): p
+            for n, p in lora.trainable(trainer.module, ["mlp"])}
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)

@@ -15,6 +15,20 @@ NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 TIME = r"(\d+-)?\d{1,2}:\d{2}:\d{2}|\d+"  # Slurm: [D-]HH:MM:SS or minutes
 ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 ADAPTER_NAME = r"[A-Za-z][A-Za-z0-9_]{0,31}"
+# peft keeps each adapter under its name in torch ModuleDicts, which refuse a key that is already an attribute of the
+# dict ("attribute 'train' already exists" on the ranks, after the allocation): such names are refused at load.
+# tests/test_lora_multi.py checks this covers the installed torch's nn.ModuleDict (with transformers and peft loaded).
+ADAPTER_RESERVED = frozenset((
+    "T_destination", "add_module", "apply", "bfloat16", "buffers", "call_super_init", "children", "clear", "compile",
+    "cpu", "cuda", "double", "dump_patches", "eval", "extra_repr", "float", "forward", "get_buffer",
+    "get_extra_state", "get_parameter", "get_submodule", "half", "ipu", "items", "keys", "load_state_dict", "modules",
+    "mtia", "named_buffers", "named_children", "named_modules", "named_parameters", "parameters", "pop",
+    "register_backward_hook", "register_buffer", "register_forward_hook", "register_forward_pre_hook",
+    "register_full_backward_hook", "register_full_backward_pre_hook", "register_module", "register_parameter",
+    "register_state_dict_post_hook", "register_state_dict_pre_hook", "requires_grad_", "set_extra_state",
+    "set_submodule", "share_memory", "state_dict", "to", "to_empty", "train", "training", "type", "update", "values",
+    "xpu", "zero_grad", "default", "smart_apply",  # the last: transformers adds it to every torch module
+))
 
 
 @dataclass
@@ -123,9 +137,10 @@ class LoraSpec:
                               field=f"{prefix}.target_modules")
         for name in self.adapters:
             # The name travels in tensor names (module.lora_A.NAME.weight) and becomes an export folder.
-            if not re.fullmatch(ADAPTER_NAME, name) or name == "default":
-                raise ConfigError(f"expected an adapter name of letters, digits and '_' (not 'default', peft's "
-                                  f"name of a lone adapter), got {name!r}", file=file, field=f"{prefix}.adapters.{name}")
+            if not re.fullmatch(ADAPTER_NAME, name) or name in ADAPTER_RESERVED:
+                raise ConfigError(f"expected an adapter name of letters, digits and '_', not 'default' (peft's name of "
+                                  f"a lone adapter) or a torch module attribute, got {name!r}", file=file,
+                                  field=f"{prefix}.adapters.{name}")
         if len(self.adapters) == 1:
             raise ConfigError(f"expected two or more adapters (one adapter: [trainer.lora] on [data] alone), got "
                               f"{list(self.adapters)}", file=file, field=f"{prefix}.adapters")

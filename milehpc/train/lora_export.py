@@ -33,10 +33,18 @@ def policy_from_checkpoint(job: JobSpec, model_state: dict[str, Any], adapter: s
     base = build_model(job.model, tok.vocab_size, seed=job.run.seed, pad_id=tok.pad_id, eos_id=tok.eos_id)
     fingerprint = lora.fingerprint(base)
     module = lora.attach(base, replace(spec, adapters={}), seed=job.run.seed)
-    if spec.adapters:  # <module>.lora_A.<adapter>.weight -> peft's default adapter's name
+    if spec.adapters:  # <module>.lora_A.<adapter>.weight -> peft's default adapter's name (the adapter's own
+        # parts only: an adapter may share its name with a module, e.g. "mlp")
+        parts = list(zip(lora.adapter_parts(adapter), lora.ADAPTER_PARTS, strict=True))
+
+        def as_default(name: str) -> str:
+            for mine, default in parts:
+                name = name.replace(mine, default)
+            return name
+
         model_state = {**model_state, "adapter": {
-            n.replace(f".{adapter}.", f".{lora.ADAPTER}."): t for n, t in model_state["adapter"].items()
-            if any(part in n for part in lora.adapter_parts(adapter))}}
+            as_default(n): t for n, t in model_state["adapter"].items()
+            if any(mine in n for mine, _ in parts)}}
     lora.load_checkpoint_state(module, model_state, base_fingerprint=fingerprint)
     return module
 
