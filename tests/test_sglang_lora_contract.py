@@ -112,12 +112,12 @@ def test_contract_peft_adapter_loads_and_a_new_version_replaces_it(engine, model
     from milehpc.train import lora
 
     base_out = [s.response_ids for s in greedy(engine)]  # no adapter loaded yet: the base (B = 0 policy)
-    assert engine.adapter_name is None
+    assert engine.adapter_names.get(None) is None
     seen = []
     for version, seed in ((1, 1), (2, 2)):
         module = policy(model_dir, spec, seed)
         engine.update_weights(lora.export(module, spec), version=version)
-        assert engine.version == version and engine.adapter_name == f"milehpc-policy-v{version}-{version}"
+        assert engine.version == version and engine.adapter_names.get(None) == f"milehpc-policy-v{version}-{version}"
         samples = greedy(engine)
         want = peft_greedy(module)
         assert [s.response_ids for s in samples] == want, version

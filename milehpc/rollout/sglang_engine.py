@@ -557,11 +557,6 @@ class SGLangEngine:
                 self._revive_lora(version)
             self._load_peft(adapters, version)
 
-    @property
-    def adapter_name(self) -> str | None:
-        """The loaded name of the job's one adapter (None: none loaded)."""
-        return self.adapter_names.get(None)
-
     def _load_peft(self, adapters: dict[str | None, dict[str, torch.Tensor]], version: int) -> None:
         """Load each adapter's tensors (peft names) as weight version ``version``; the ones they replace are unloaded
         once all loaded (a failed load leaves the engine serving the previous ones)."""

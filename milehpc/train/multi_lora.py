@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
     from milehpc.samples import Sample
 
-# The trainer is milehpc.train.torch_trainer.TorchTrainer, typed Any here: that module imports this one.
+
+# The trainer is milehpc.train.torch_trainer.TorchTrainer, typed Any here: that module imports this one, and the
+# import-layer test counts a type-checking import as a cycle too.
 TorchTrainer = Any
 
 PREFIX = "adapter"  # metrics: adapter/<NAME>/<what>
@@ -142,7 +144,7 @@ def all_reduce_grads(params: list[torch.nn.Parameter], dp_size: int) -> None:
     flat /= dp_size
     offset = 0
     for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.device, copy=True)  # not a view of the buffer
         offset += p.numel()
 
 
