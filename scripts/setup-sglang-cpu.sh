@@ -5,8 +5,9 @@
 #      the venv's torch (CPU), numpy and transformers stay (sglang 0.5.23 ran with them in the contract tests);
 #   2. the CPU kernel library (sgl_kernel), built from a writable copy of ../shared/vendor/sglang-kernel-cpu/ once per
 #      machine and cached under ~/.cache/milehpc/sgl-kernel/ keyed by the source hash, torch, Python and CPU variant;
-#   3. the torchvision op-schema start-up hook (scripts/sglang_cpu_torchvision_hook.py): the index's torchvision is a
-#      CUDA build whose ops do not load on a CPU torch.
+#   3. the start-up hook (scripts/sglang_cpu_hook.py): the torchvision op schemas (the index's torchvision is a CUDA
+#      build whose ops do not load on a CPU torch), and SGLang's AMX path turned off for CPU engines (its kernels
+#      take bf16/fp16 only and no weight updates; milehpc asks for it through MILEHPC_SGLANG_CPU_NO_AMX).
 # Where the vendored source is absent or the CPU cannot run the kernel, it says so and exits 0: the tests that need
 # the real engine then skip saying why (or fail under MILEHPC_REQUIRE_ALL=1, as in CI).
 set -euo pipefail
@@ -17,7 +18,7 @@ CACHE="${MILEHPC_CACHE:-$HOME/.cache/milehpc}/sgl-kernel"
 
 "$PY" -m pip install -q --no-deps -r scripts/sglang-cpu-requirements.txt
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-cp scripts/sglang_cpu_torchvision_hook.py "$SITE/_milehpc_sglang_cpu_hook.py"
+cp scripts/sglang_cpu_hook.py "$SITE/_milehpc_sglang_cpu_hook.py"
 echo "import _milehpc_sglang_cpu_hook" > "$SITE/_milehpc_sglang_cpu_hook.pth"
 
 if [ ! -f "$VENDOR/pyproject.toml" ]; then

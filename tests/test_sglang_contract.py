@@ -78,6 +78,34 @@ def test_contract_imports_the_tested_sglang():
     assert sglang.__version__ == TESTED
 
 
+def test_contract_a_cpu_engines_processes_see_no_amx_and_others_keep_it():
+    """A CPU engine's processes (AMX_OFF_ENV set, the start-up hook installed by setup-sglang-cpu.sh) import
+    sglang without AMX; without the variable nothing changes. On a CPU with AMX sglang's own verdict flips with it
+    (on AMX a float32 engine died with "rmsnorm_kernel not implemented for 'Float'", a bf16 one at its first weight
+    update: "'Parameter' object has no attribute 'weight_loader'")."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from milehpc.rollout.sglang_engine import AMX_OFF_ENV
+
+    require_real_sglang()
+    probe = ("import torch, sglang.srt.utils.common as c; "
+             "print(torch.cpu._is_amx_tile_supported.__module__, c.cpu_has_amx_support())")
+
+    def run(**env: str) -> list[str]:
+        clean = {k: v for k, v in os.environ.items() if k != AMX_OFF_ENV}
+        out = subprocess.run([sys.executable, "-c", probe], env={**clean, **env}, capture_output=True, text=True,
+                             check=True, timeout=300)
+        return out.stdout.split()
+
+    assert run(**{AMX_OFF_ENV: "1"}) == ["_milehpc_sglang_cpu_hook", "False"]
+    hooked, amx = run()
+    assert hooked == "torch.cpu"
+    assert amx == str(torch.cpu._is_amx_tile_supported())  # True on this CI machine's kind with AMX
+
+
 def test_contract_engine_starts_generates_and_matches_transformers(engine, model_dir):
     # Fault 1: starting at all needs a picklable custom_sigquit_handler (sglang spawns its scheduler with pickle).
     model = hf_model(model_dir)

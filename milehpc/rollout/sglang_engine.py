@@ -68,6 +68,12 @@ if TYPE_CHECKING:
 # has it make host-memory pinning a no-op there before the LoRA layers are built (milehpc.rollout.sglang_lora).
 sglang_lora.unpin_if_asked()
 
+# On a CPU with AMX, sglang 0.5.23 packs the weights for its AMX kernels at load, after which a weight update fails
+# ("'Parameter' object has no attribute 'weight_loader'"), and those kernels take bf16/fp16 only. A CPU engine has
+# them off: the start-up hook scripts/setup-sglang-cpu.sh installs (scripts/sglang_cpu_hook.py) reads this in the
+# scheduler, which then takes the plain-torch path of CPUs without AMX.
+AMX_OFF_ENV = "MILEHPC_SGLANG_CPU_NO_AMX"
+
 ENGINE_PORT_BASE = 30000  # + engine index * 16; never served (the Engine API is in-process) but must be free
 
 # The settings the real sglang 0.5.23 engine runs with on a CPU (../shared/notes/sglang-on-cpu.md): no CUDA graphs or
@@ -286,6 +292,8 @@ class SGLangEngine:
                 log(note)
         if self.server_args.get("device") == "cpu":
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # else sglang imports vllm for its CPU ops
+            require_amx_hook()
+            os.environ[AMX_OFF_ENV] = "1"  # read by scripts/sglang_cpu_hook.py in the scheduler (see there)
             if self.lora is not None:
                 os.environ[sglang_lora.UNPIN_ENV] = "1"  # read by the scheduler, see sglang_lora.unpin_if_asked
         if self.server_args.get("nnodes", 1) > 1:
@@ -308,7 +316,8 @@ class SGLangEngine:
         except (TypeError, ValueError) as err:
             raise ConfigError(f"SGLang refused the engine arguments: {err}", field="rollout.options") from err
         finally:
-            os.environ.pop(sglang_lora.UNPIN_ENV, None)  # the scheduler has read it; no later child inherits it
+            for name in (sglang_lora.UNPIN_ENV, AMX_OFF_ENV):  # the scheduler has read them; no later child inherits
+                os.environ.pop(name, None)
         _report_instead_of_kill(self._engine)
         self._pids = _children() - before
         self._dead_reason = None
@@ -748,6 +757,18 @@ def route_payloads(gathered: list[Any], tp_size: int) -> list[Any]:
         have = [i for i, p in enumerate(gathered) if p is not None]
         raise RuntimeFailure(f"expected one weight payload per TP rank (0..{tp_size - 1}), got ranks {have}")
     return list(gathered)
+
+
+def require_amx_hook() -> None:
+    """One line instead of the scheduler's death at its first weight update: a CPU engine on a CPU with AMX needs the
+    start-up hook that turns sglang's AMX path off (``AMX_OFF_ENV``)."""
+    import importlib.util
+
+    import torch
+
+    if torch.cpu._is_amx_tile_supported() and importlib.util.find_spec("_milehpc_sglang_cpu_hook") is None:
+        raise RuntimeFailure("this CPU has AMX, and sglang's AMX path takes no weight updates: install milehpc's "
+                             "sglang start-up hook, which turns it off (bash scripts/setup-sglang-cpu.sh)")
 
 
 def cpu_list(cpus: set[int]) -> str:
