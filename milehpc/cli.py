@@ -575,25 +575,27 @@ def rollouts(run_dir: str, step: int, limit: int, as_json: bool) -> None:
 @click.option("--greedy/--no-greedy", default=None, help="one greedy answer per prompt (eval.greedy)")
 @click.option("--temperature", type=float, help="of the sampled answers (eval.temperature)")
 @click.option("--max-prompts", type=click.IntRange(min=0), help="the first this many prompts (eval.max_prompts)")
+@click.option("--adapter", help="a multi-LoRA run: the adapter to evaluate (its policy and its reward)")
 @click.option("--force", is_flag=True, help="replace an earlier RUN_DIR/eval/step_N.json")
 @json_option
 def eval_cmd(run_dir: str, data: str, step: int | None, n_samples: int | None, pass_k: tuple[int, ...],
-             greedy: bool | None, temperature: float | None, max_prompts: int | None, force: bool,
-             as_json: bool) -> None:
+             greedy: bool | None, temperature: float | None, max_prompts: int | None, adapter: str | None,
+             force: bool, as_json: bool) -> None:
     """Evaluate a run's checkpoint on a prompt file with the job's engine, rewards and [eval] settings: accuracy,
-    pass@k and mean reward per data source; writes RUN_DIR/eval/step_N.json. Megatron checkpoints are read like
-    `milehpc export` reads them.
+    pass@k and mean reward per data source; writes RUN_DIR/eval/step_N.json (step_N.ADAPTER.json). Megatron
+    checkpoints are read like `milehpc export` reads them.
 
     \b
     Examples:
       milehpc eval runs/demo-20260101-120000 --data data/val.jsonl
       milehpc eval runs/demo-20260101-120000 --step 40 --data data/val.jsonl --n 8 --k 1 --k 4
+      milehpc eval runs/multi-lora-20260101-120000 --adapter rev --data task:reverse --max-prompts 64
     """
     from milehpc.runtime.evaluate_checkpoint import evaluate_checkpoint, metrics_table
 
     given = {"n_samples": n_samples, "pass_k": list(pass_k) or None, "greedy": greedy, "temperature": temperature,
              "max_prompts": max_prompts}
-    report = evaluate_checkpoint(run_dir, data, step=step, force=force,
+    report = evaluate_checkpoint(run_dir, data, step=step, force=force, adapter=adapter,
                                  overrides={k: v for k, v in given.items() if v is not None})
     if as_json:
         _emit({"step": report.step, "file": str(report.path), "metrics": report.metrics, "notes": report.notes})

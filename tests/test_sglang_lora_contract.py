@@ -73,10 +73,13 @@ def policy(model_dir: Path, spec, seed: int):
     return module.eval()
 
 
-def greedy(engine, adapter: str | None = None) -> list:
+def greedy(engine, adapter: str | None = None, *, adapters: list[str] | None = None) -> list:
+    """Greedy answers to PROMPTS: with the job's one adapter, the named ``adapter``, or each prompt's ``adapters``."""
     from milehpc.rollout.engine import SamplingParams
 
-    return engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=NEW, adapter=adapter))
+    if adapter is not None:
+        adapters = [adapter] * len(PROMPTS)
+    return engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=NEW, adapters=adapters))
 
 
 def peft_greedy(module) -> list[list[int]]:
@@ -143,7 +146,8 @@ def test_contract_peft_adapter_loads_and_a_new_version_replaces_it(engine, model
 def test_contract_several_adapters_load_side_by_side_and_route_per_request(engine, model_dir, multi_spec):
     """Multi-LoRA: one sync carries both adapters under their names (milehpc.train.multi_lora's export); each loads
     under its own versioned name, and a request naming an adapter gets that adapter's greedy output (peft's, that
-    adapter active), whichever was asked before; a second version replaces both (loaded before the old ones go)."""
+    adapter active), whichever was asked before, also with both adapters in one batch; a second version replaces
+    both (loaded before the old ones go)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -174,6 +178,13 @@ def test_contract_several_adapters_load_side_by_side_and_route_per_request(engin
             assert [s.response_ids for s in samples] == want[a], (version, a)
             module.base_model.set_adapter(a)
             assert_logprobs_agree(samples, module)
+        # One batch, each prompt with its own adapter (SGLang serves them together): each its adapter's answer.
+        mixed = ["srt", "rev", "srt"]
+        samples = greedy(engine, adapters=mixed)
+        assert [s.response_ids for s in samples] == [want[a][i] for i, a in enumerate(mixed)], version
+        for a in ADAPTERS:
+            module.base_model.set_adapter(a)
+            assert_logprobs_agree([s for s, m in zip(samples, mixed, strict=True) if m == a], module)
         held = dict(engine.named_parameters())
         assert held.keys() >= {n for n, _ in sent} and all((held[n] == t).all() for n, t in sent)
 

@@ -107,6 +107,8 @@ class AdapterSpec:
     weight_decay: float | None = opt(None, min=0.0, help="unset = trainer.weight_decay")
     prompts_per_step: int | None = opt(None, min=1, help="this adapter's prompts per step; unset = an even share of "
                                                          "what the other adapters leave of rollout.prompts_per_step")
+    val_source: str = opt("", help="this adapter's held-out prompts (as data.val_source), answered with it every "
+                                   "run.eval_every steps; empty = this adapter is not evaluated")
 
     def validate(self, *, file: str | None, prefix: str) -> None:
         name, params = reward_route(self.reward) if self.reward != "" else ("", {})
@@ -130,6 +132,11 @@ class LoraSpec:
     adapters: dict[str, AdapterSpec] = opt({}, help="multi-LoRA: several named adapters, each with its own prompts, "
                                                     "reward and optimizer ([trainer.lora.adapters.NAME]); "
                                                     "empty = one adapter on [data]")
+
+    def __post_init__(self) -> None:
+        # The adapters in name order, whatever the TOML's: their seeds, shares of a step and stepping order follow
+        # it, so reordering the tables (e.g. between a run and its resume) changes nothing.
+        self.adapters = dict(sorted(self.adapters.items()))
 
     def validate(self, *, file: str | None, prefix: str) -> None:
         if not self.target_modules:

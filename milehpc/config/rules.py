@@ -160,14 +160,30 @@ def overlong_buffer_fits_the_response(job: JobSpec, file: str | None) -> None:
 # ---- evaluation ------------------------------------------------------------------------------------------------
 
 def evaluation_needs_validation_prompts(job: JobSpec, file: str | None) -> None:
-    """run.eval_every × data.val_source × eval.max_prompts: the in-loop evaluation runs on the held-out prompts, a
-    finite number of them."""
-    if job.run.eval_every > 0 and not job.data.val_source:
-        raise ConfigError(f"run.eval_every = {job.run.eval_every} evaluates on held-out prompts: expected "
-                          "data.val_source = a file or 'task:NAME', got none", file=file, field="data.val_source")
-    if job.run.eval_every > 0 and job.data.val_source.startswith("task:") and job.eval.max_prompts == 0:
-        raise ConfigError(f"a generated validation task ({job.data.val_source!r}) has no end: expected "
-                          "eval.max_prompts > 0, got 0", file=file, field="eval.max_prompts")
+    """run.eval_every × data.val_source × trainer.lora.adapters.*.val_source × eval.max_prompts: the in-loop
+    evaluation runs on the held-out prompts, a finite number of them; several adapters each name their own."""
+    every = job.run.eval_every
+    if every <= 0:
+        return
+    adapters = job.trainer.lora.adapters if job.trainer.lora is not None else {}
+    sources = {f"trainer.lora.adapters.{n}.val_source": a.val_source for n, a in adapters.items() if a.val_source}
+    if adapters and job.data.val_source:
+        raise ConfigError("with several adapters each adapter names its held-out prompts "
+                          "(trainer.lora.adapters.NAME.val_source): expected data.val_source = '', got "
+                          f"{job.data.val_source!r}", file=file, field="data.val_source")
+    if adapters and not sources:
+        raise ConfigError(f"run.eval_every = {every} evaluates on held-out prompts: expected "
+                          f"trainer.lora.adapters.NAME.val_source for at least one of {', '.join(adapters)}, got none",
+                          file=file, field=f"trainer.lora.adapters.{next(iter(adapters))}.val_source")
+    if not adapters:
+        if not job.data.val_source:
+            raise ConfigError(f"run.eval_every = {every} evaluates on held-out prompts: expected data.val_source = "
+                              "a file or 'task:NAME', got none", file=file, field="data.val_source")
+        sources = {"data.val_source": job.data.val_source}
+    for field, source in sources.items():
+        if source.startswith("task:") and job.eval.max_prompts == 0:
+            raise ConfigError(f"a generated validation task ({field} = {source!r}) has no end: expected "
+                              "eval.max_prompts > 0, got 0", file=file, field="eval.max_prompts")
 
 
 def evaluation_sees_synced_weights(job: JobSpec, file: str | None) -> None:
@@ -383,7 +399,7 @@ def lora_rolls_out_where_adapters_load(job: JobSpec, file: str | None) -> None:
     the reference engine merges any synced adapter; SGLang loads adapter matrices through its LoRA API (milehpc.
     rollout.sglang_lora) — on a dense model, not modules trained in full, and only on the module kinds it has LoRA
     layers for (a pattern with wildcards in its last part is resolved on the ranks and checked there). Several
-    adapters (trainer.lora.adapters × rollout.* × run.eval_every × reward.by_source): :func:`_adapters_roll_out`."""
+    adapters (trainer.lora.adapters × rollout.* × algorithm.advantage × reward.by_source): :func:`_adapters_roll_out`."""
     spec = job.trainer.lora
     if spec is not None and spec.adapters:
         _adapters_roll_out(job, file)
@@ -415,7 +431,8 @@ def _adapters_roll_out(job: JobSpec, file: str | None) -> None:
     """Several adapters: the reference engine generates each adapter's prompts with that adapter merged (SGLang with
     each adapter loaded by name: milehpc.rollout.sglang_lora; what it refuses for one adapter it refuses here), in plain
     generation rounds (no partial rollouts or custom generators: a continuation would not know its adapter); each
-    adapter's source, params and reward fit their plugins, and every adapter gets at least one prompt per step."""
+    adapter's source, params and reward fit their plugins, every adapter gets at least one prompt per step and every
+    engine an equal part of a step (milehpc.data.adapters); no critic (it would be shared by the adapters)."""
     from milehpc.config.job import adapter_prompts, reward_route
 
     spec, ro = job.trainer.lora, job.rollout
@@ -428,11 +445,17 @@ def _adapters_roll_out(job: JobSpec, file: str | None) -> None:
                                                         "adapters, got true"),
         (ro.generator is not None, "rollout.generator", f"expected no rollout.generator with several adapters (the "
                                                         f"built-in generation routes them), got {ro.generator!r}"),
-        (job.run.eval_every > 0, "run.eval_every", f"expected run.eval_every = 0 with several adapters (evaluation "
-                                                   f"per adapter is not built), got {job.run.eval_every}"),
         (bool(job.reward.by_source), "reward.by_source", "expected no reward.by_source with several adapters (each "
                                                          "adapter names its reward), got a table"),
+        (ro.prompts_per_step % ro.engines != 0, "rollout.prompts_per_step",
+         f"expected rollout.prompts_per_step to be a multiple of rollout.engines ({ro.engines}) with several adapters "
+         f"(each engine's share of a step then holds every adapter's share), got {ro.prompts_per_step}"),
     ]
+    est = _estimator(job, file)
+    if est is not None and est.needs_critic:
+        refused.append((True, "algorithm.advantage",
+                        f"expected an estimator without a critic with several adapters (one critic of the base would "
+                        f"be trained on every adapter's returns), got {job.algorithm.advantage!r}"))
     for broken, field, message in refused:
         if broken:
             raise ConfigError(message, file=file, field=field)

@@ -4,9 +4,12 @@ interleaves them so that every step of ``rollout.prompts_per_step`` prompts hold
 The mix is a pure function of the position, like :class:`~milehpc.data.source.PromptSource`: position ``p`` is slot
 ``p % T`` of cycle ``p // T`` (``T`` = the prompts of one step), each slot belongs to one adapter, and that adapter's
 own stream gives its ``cycle * share + k``-th prompt (``k``: the slot's rank among the adapter's slots). So the
-loop's one prompt cursor (checkpointed as it is) resumes every adapter's stream exactly, and
-:meth:`AdapterMix.positions` says how far each has gone. Every prompt carries its adapter's name
-(``metadata["adapter"]``) and its mix position as its index, unique across adapters (the group id).
+loop's one prompt cursor (checkpointed as it is) resumes every adapter's stream exactly. Every prompt carries its
+adapter's name (``metadata["adapter"]``) and its mix position as its index, unique across adapters (the group id).
+
+With several engines (engine ``e`` of ``E`` takes positions ``e, e + E, ...``) every step still holds each adapter's
+share exactly when ``T`` is a multiple of ``E`` (the job rules ask for it); over-sampling and the dynamic filter
+draw more prompts than a step's, so their steps hold the shares only on average.
 """
 
 from __future__ import annotations
@@ -15,11 +18,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from milehpc.data.source import Prompt, PromptSource
+from milehpc.samples import ADAPTER_KEY
 
 if TYPE_CHECKING:
     from milehpc.config.job import JobSpec
-
-ADAPTER_KEY = "adapter"  # the prompt's (and its samples') metadata key naming its adapter
 
 
 class AdapterMix:
@@ -50,18 +52,10 @@ class AdapterMix:
         self.cursor += k
         return out
 
-    def positions(self, cursor: int) -> dict[str, int]:
-        """How many prompts each adapter's stream has given once the mix gave ``cursor``."""
-        cycle, slot = divmod(cursor, len(self.slots))
-        out = {name: cycle * share for name, share in self.shares.items()}
-        for name, _ in self.slots[:slot]:
-            out[name] += 1
-        return out
-
 
 def adapter_mix(job: JobSpec, tokenizer: Any, *, seed_offset: int = 0, file: str | None = None) -> AdapterMix:
-    """The job's adapters' sources (each as ``[data]`` with the adapter's ``source`` and ``params``; the i-th seeded
-    ``data.seed + i``), mixed by their shares of ``rollout.prompts_per_step``."""
+    """The job's adapters' sources (each as ``[data]`` with the adapter's ``source`` and ``params``; the i-th in name
+    order seeded ``data.seed + i``), mixed by their shares of ``rollout.prompts_per_step``."""
     from milehpc.config.job import adapter_prompts
     from milehpc.data.source import build_source
 
@@ -71,3 +65,46 @@ def adapter_mix(job: JobSpec, tokenizer: Any, *, seed_offset: int = 0, file: str
                                   seed_offset=seed_offset + i, file=file)
                for i, (name, a) in enumerate(spec.adapters.items())}
     return AdapterMix(sources, adapter_prompts(spec, job.rollout.prompts_per_step))
+
+
+class AdapterValidation:
+    """Multi-LoRA's held-out prompts: each adapter's ``val_source`` (at most ``max_prompts`` of it; 0 = all), one after
+    the other in name order, every prompt carrying its adapter's name and its position here as its index. The
+    :class:`~milehpc.rollout.evaluate.Evaluator` reads it like a validation source."""
+
+    def __init__(self, sources: dict[str, PromptSource], max_prompts: int = 0) -> None:
+        self.sources = sources
+        self.examples = [(name, i) for name, src in sources.items()
+                         for i in range(min(len(src.examples), max_prompts) if max_prompts else len(src.examples))]
+        self.name = ", ".join(f"{n}: {s.name}" for n, s in sources.items())
+        self.data_sources = {d for s in sources.values() for d in s.data_sources}
+
+    def spans(self) -> list[range]:
+        """Each adapter's positions."""
+        out, start = [], 0
+        for name in self.sources:
+            n = sum(1 for a, _ in self.examples if a == name)
+            out.append(range(start, start + n))
+            start += n
+        return out
+
+    def peek(self, position: int) -> Prompt:
+        name, inner = self.examples[position]
+        prompt = self.sources[name].peek(inner)
+        prompt.index = position
+        prompt.metadata[ADAPTER_KEY] = name
+        return prompt
+
+
+def adapter_validation(job: JobSpec, tokenizer: Any, *, max_prompts: int = 0, seed_offset: int = 0,
+                       file: str | None = None) -> AdapterValidation:
+    """The validation prompts of the adapters that name a ``val_source`` (each read as ``data.val_source`` with the
+    adapter's ``params``; the i-th in name order seeded ``data.seed + i``, as its training stream)."""
+    from milehpc.data.source import build_source
+
+    spec = job.trainer.lora
+    assert spec is not None and spec.adapters
+    sources = {name: build_source(replace(job.data, val_source=a.val_source, params=dict(a.params)), tokenizer,
+                                  seed_offset=seed_offset + i, file=file, split="validation")
+               for i, (name, a) in enumerate(spec.adapters.items()) if a.val_source}
+    return AdapterValidation(sources, max_prompts)

@@ -77,18 +77,18 @@ def _weights(source: Source, hf_config: Any) -> dict[str, torch.Tensor]:
     return full_model_state(source)
 
 
-def policy_weights(source: Source) -> dict[str, torch.Tensor]:
+def policy_weights(source: Source, adapter: str | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's policy in HF names (what the trainer's weight sync sends an engine): the trainer's weights,
-    or a LoRA run's base with its adapter merged in."""
+    or a LoRA run's base with its adapter (of a multi-LoRA run: the named ``adapter``) merged in."""
     if source.job.trainer.lora is not None:
         from milehpc.train.lora_export import policy_from_checkpoint
 
-        if source.job.trainer.lora.adapters:
-            raise ConfigError(f"a multi-LoRA run has one policy per adapter: expected one of them, exported with "
-                              f"`milehpc export RUN -o OUT --merged` (OUT/<adapter>/), got the run "
-                              f"({', '.join(source.job.trainer.lora.adapters)})", file=str(source.run_dir / "job.json"),
-                              field="trainer.lora.adapters")
-        return dict(policy_from_checkpoint(source.job, source.trainer["model"]).merge_and_unload().state_dict())
+        if source.job.trainer.lora.adapters and adapter is None:
+            raise ConfigError(f"a multi-LoRA run has one policy per adapter: expected one of them "
+                              f"({', '.join(source.job.trainer.lora.adapters)}), got the run",
+                              file=str(source.run_dir / "job.json"), field="trainer.lora.adapters")
+        return dict(policy_from_checkpoint(source.job, source.trainer["model"], adapter).merge_and_unload()
+                    .state_dict())
     from milehpc.data.tokenizer import build_tokenizer
 
     return _weights(source, _hf_config(source, build_tokenizer(source.job.model.tokenizer)))

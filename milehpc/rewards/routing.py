@@ -1,6 +1,7 @@
 """Per-sample reward routing by data source (``reward.by_source``): a mixed dataset (verl's and slime's carry a
 ``data_source`` column, e.g. math and code problems) scores each sample with its source's reward; samples of other
-sources (or none) get the job's ``reward.name`` (or the task's own reward)."""
+sources (or none) get the job's ``reward.name`` (or the task's own reward). Multi-LoRA
+(``[trainer.lora.adapters.NAME]``): each sample with its adapter's reward (:func:`adapter_scorer`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from milehpc.errors import ConfigError
 from milehpc.rewards.api import RewardRunner
-from milehpc.samples import Sample
+from milehpc.samples import ADAPTER_KEY, Sample
 
 if TYPE_CHECKING:
-    from milehpc.config.job import RewardSpec
+    from milehpc.config.job import JobSpec, RewardSpec
 
 
 def source_of(sample: Sample) -> str | None:
@@ -86,3 +87,33 @@ def _runner(spec: Any, file: str | None, where: str) -> RewardRunner:
     except MilehpcError as err:  # the route's own field (reward.name, reward.params.x) re-rooted under its entry
         inner = err.field.replace("reward.", f"{where}.", 1) if err.field else where
         raise type(err)(err.message, file=file, field=inner) from None
+
+
+@dataclass
+class AdapterRouter(SourceRouter):
+    """Scores each sample with its adapter's reward runner (multi-LoRA)."""
+
+    def runner_for(self, sample: Sample) -> RewardRunner | None:
+        return self.routes.get(str(sample.metadata.get(ADAPTER_KEY)), self.default)
+
+
+def adapter_scorer(job: JobSpec, *, file: str | None = None) -> AdapterRouter:
+    """Each adapter's reward: its ``reward`` (a name or {name, params}), else its task's own, else ``reward.name``
+    (with ``reward.params``); timeouts and concurrency as ``[reward]``."""
+    from milehpc import plugins
+    from milehpc.config.job import reward_route
+
+    spec = job.trainer.lora
+    assert spec is not None
+    routes = {}
+    for name, adapter in spec.adapters.items():
+        if adapter.reward != "":
+            reward, params = reward_route(adapter.reward)
+            reward_spec = replace(job.reward, name=reward, params=dict(params or {}), by_source={})
+            routes[name] = RewardRunner.from_spec(reward_spec, file=file)
+        else:
+            task = (plugins.lookup("task", adapter.source.removeprefix("task:")).reward
+                    if adapter.source.startswith("task:") else "")
+            reward_spec = replace(job.reward, name="", params={}, by_source={}) if task else job.reward
+            routes[name] = RewardRunner.from_spec(reward_spec, task or None, file=file)
+    return AdapterRouter(routes, None)

@@ -22,7 +22,17 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1  # samples per prompt
     seed: int | None = None
-    adapter: str | None = None  # multi-LoRA: generate with this adapter (the reference engine merges it)
+    # Multi-LoRA: the adapter of each prompt, one name per prompt (None: the base). SGLang serves them in one batch
+    # (each request's lora_path); the reference engine, which holds one merged adapter at a time, groups by adapter.
+    adapters: list[str | None] | None = None
+
+
+def by_adapter(adapters: list[str | None]) -> dict[str | None, list[int]]:
+    """Positions of the prompts of each adapter, adapters in the order they first appear."""
+    out: dict[str | None, list[int]] = {}
+    for i, name in enumerate(adapters):
+        out.setdefault(name, []).append(i)
+    return out
 
 
 class Engine(Protocol):

@@ -2,6 +2,10 @@
 ``n_samples`` times, the job's reward routing scores the answers, and the per-prompt results become accuracy,
 pass@k and mean reward per data source and overall.
 
+Multi-LoRA (``[trainer.lora.adapters.NAME]``): the prompts are each adapter's ``val_source`` (at most
+``eval.max_prompts`` each), answered with that adapter and scored with its reward; the per-source metrics are per
+adapter (``eval/<NAME>/acc``).
+
 Used by the RL loop every ``run.eval_every`` steps (:mod:`milehpc.runtime.loop.evaluation`) and by ``milehpc eval``
 (:mod:`milehpc.runtime.evaluate_checkpoint`). The prompts are cut into fixed batches of ``eval.batch_size``; batch
 ``b`` samples from its own seed ``eval.seed + b`` (never the engine's training stream), so the results depend on
@@ -16,8 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from milehpc.data.adapters import AdapterValidation
 from milehpc.rollout.engine import SamplingParams
-from milehpc.samples import Sample, Status
+from milehpc.samples import ADAPTER_KEY, Sample, Status
 
 if TYPE_CHECKING:
     from milehpc.config.job import EvalSpec, JobSpec
@@ -103,21 +108,28 @@ class Evaluator:
     def __init__(self, job: JobSpec, tokenizer: Any, *, data: str | None = None, file: str | None = None) -> None:
         from milehpc import plugins
         from milehpc.config.schema import merge_params
+        from milehpc.data.adapters import adapter_validation
         from milehpc.data.source import build_source, task_reward_name
-        from milehpc.rewards.routing import reward_scorer
+        from milehpc.rewards.routing import adapter_scorer, reward_scorer
 
         self.job, self.tokenizer, self.spec = job, tokenizer, job.eval
         spec = replace(job.data, val_source=data) if data else job.data
-        self.source: PromptSource = build_source(spec, tokenizer, seed_offset=VAL_SEED_OFFSET, file=file,
-                                                 split="validation")
-        # A task:NAME validation source brings its task's reward (the training source's otherwise).
-        val = spec.val_source or ""
-        reward_of = replace(spec, source=val) if val.startswith("task:") else spec
-        self.scorer = reward_scorer(job.reward, task_reward_name(reward_of) or None,
-                                    sources=self.source.data_sources, file=file)
-        self.default_source = val.removeprefix("task:") if val.startswith("task:") else DEFAULT_SOURCE
+        adapters = job.trainer.lora.adapters if job.trainer.lora is not None else {}
+        self.default_source = DEFAULT_SOURCE
+        if adapters:  # multi-LoRA: each adapter's val_source, answered with that adapter, scored with its reward
+            self.source: PromptSource | AdapterValidation = adapter_validation(
+                job, tokenizer, max_prompts=self.spec.max_prompts, seed_offset=VAL_SEED_OFFSET, file=file)
+            self.scorer: Any = adapter_scorer(job, file=file)
+        else:
+            self.source = build_source(spec, tokenizer, seed_offset=VAL_SEED_OFFSET, file=file, split="validation")
+            # A task:NAME validation source brings its task's reward (the training source's otherwise).
+            val = spec.val_source or ""
+            reward_of = replace(spec, source=val) if val.startswith("task:") else spec
+            self.scorer = reward_scorer(job.reward, task_reward_name(reward_of) or None,
+                                        sources=self.source.data_sources, file=file)
+            self.default_source = val.removeprefix("task:") if val.startswith("task:") else DEFAULT_SOURCE
         size = len(self.source.examples)
-        self.size = min(size, self.spec.max_prompts) if self.spec.max_prompts else size
+        self.size = min(size, self.spec.max_prompts) if self.spec.max_prompts and not adapters else size
         ro = job.rollout
         self.base = SamplingParams(temperature=self.spec.temperature, top_p=self.spec.top_p, top_k=self.spec.top_k,
                                    max_new_tokens=self.spec.max_new_tokens or ro.max_new_tokens, stop=list(ro.stop))
@@ -133,15 +145,18 @@ class Evaluator:
         return f"eval: {self.size} validation prompts from {self.source.name}"
 
     @property
-    def batches(self) -> int:
-        return -(-self.size // self.spec.batch_size)
+    def batches(self) -> list[tuple[int, range]]:
+        """(seed offset, positions) of each batch of ``eval.batch_size`` prompts. Several adapters: each adapter's
+        prompts in batches of their own, counted from 0, so an adapter's numbers do not depend on the others'."""
+        bs = self.spec.batch_size
+        spans = self.source.spans() if isinstance(self.source, AdapterValidation) else [range(self.size)]
+        return [(b, span[b * bs:(b + 1) * bs]) for span in spans for b in range(-(-len(span) // bs))]
 
     def run(self, engine: Engine, *, engine_index: int = 0, num_engines: int = 1) -> list[PromptResult]:
         """This engine's share of the validation batches, answered and scored with the engine's current weights."""
         out: list[PromptResult] = []
-        bs = self.spec.batch_size
-        for b in range(engine_index, self.batches, num_engines):
-            prompts = [self.source.peek(i) for i in range(b * bs, min((b + 1) * bs, self.size))]
+        for b, positions in self.batches[engine_index::num_engines]:
+            prompts = [self.source.peek(i) for i in positions]
             results = {p.index: PromptResult(p.index, self._source_of(p), prompt=p.text) for p in prompts}
             if self.spec.greedy:
                 for s in self._answer(engine, prompts, replace(self.base, temperature=0.0, n=1, seed=self.spec.seed + b)):
@@ -158,11 +173,15 @@ class Evaluator:
         return spec_metrics(self.spec, results)
 
     def _source_of(self, prompt: Prompt) -> str:
-        value = prompt.metadata.get("data_source")
+        """What the per-source metrics group by: the prompt's adapter (multi-LoRA), else its data source."""
+        value = prompt.metadata.get(ADAPTER_KEY, prompt.metadata.get("data_source"))
         return self.default_source if value is None else str(value)
 
     def _answer(self, engine: Engine, prompts: list[Prompt], sp: SamplingParams) -> list[Sample]:
-        """Generate and score; each sample's ``group`` is its prompt's stream position."""
+        """Generate and score; each sample's ``group`` is its prompt's stream position. Multi-LoRA: each prompt
+        with its adapter."""
+        if any(ADAPTER_KEY in p.metadata for p in prompts):
+            sp = replace(sp, adapters=[p.metadata.get(ADAPTER_KEY) for p in prompts])
         if self.generator is not None:
             out = self.generator(engine, prompts, sp, **self.generator_params)
         else:

@@ -13,18 +13,19 @@ own merge, so a new adapter replaces the old one exactly instead of piling up on
 
 Multi-LoRA (``[trainer.lora.adapters]``): each adapter arrives under its name (``<module>.lora_A.<NAME>.weight``,
 ``lora.scaling.<NAME>``, a module trained in full ``<module>.modules_to_save.<NAME>.weight``); the engine keeps the
-base once plus every adapter and merges the adapter a generation asks for (``SamplingParams.adapter``) into the
-adapted weights from the kept base, by the same expression (a module trained in full: its copy replaces the base's):
-exact, whichever adapter was merged before. An adapter not synced yet generates with the base (a fresh adapter is
-B = 0, a module to save starts as the base's).
+base once plus every adapter and generates each prompt with its adapter (``SamplingParams.adapters``), one adapter
+at a time, merged into the adapted weights from the kept base by the same expression (a module trained in full: its
+copy replaces the base's): exact, whichever adapter was merged before. An adapter not synced yet generates with the
+base (a fresh adapter is B = 0, a module to save starts as the base's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from milehpc.rollout.engine import SamplingParams
+from milehpc.rollout.engine import SamplingParams, by_adapter
 from milehpc.samples import Sample, Status
 
 if TYPE_CHECKING:
@@ -82,9 +83,20 @@ class ReferenceEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  samples: list[Sample] | None = None) -> list[Sample]:
         """``sampling.n`` samples per prompt (prompt-major order; ``group`` = prompt position), or, with
-        ``samples``, continue each given sample by up to ``sampling.max_new_tokens`` more tokens."""
-        if sampling.adapter is not None:
-            self.use_adapter(sampling.adapter)
+        ``samples``, continue each given sample by up to ``sampling.max_new_tokens`` more tokens. Multi-LoRA
+        (``sampling.adapters``): each adapter's prompts in turn with that adapter merged, its samples after the
+        previous adapter's."""
+        if sampling.adapters is not None:
+            if samples is not None:
+                raise ValueError("continuing partial rollouts per adapter is not supported")
+            out: list[Sample] = []
+            for name, where in by_adapter(sampling.adapters).items():
+                self.use_adapter(name)
+                part = self.generate([prompts[i] for i in where], replace(sampling, adapters=None))
+                for s in part:
+                    s.group = where[s.group]
+                out += part
+            return out
         if samples is not None:
             contexts = [s.prompt_ids + s.response_ids for s in samples]
             out = samples
@@ -216,10 +228,10 @@ class ReferenceEngine:
             self._adapted.setdefault(adapter, set()).add(weight)
         self.adapter[name] = tensor.detach().clone()
 
-    def use_adapter(self, adapter: str) -> None:
+    def use_adapter(self, adapter: str | None) -> None:
         """Merge ``adapter`` (multi-LoRA) into the adapted weights, from the kept base; the base alone while it was
-        never synced."""
-        if adapter == self._active:
+        never synced (or for None)."""
+        if adapter is not None and adapter == self._active:  # (None: the base, also after a stale merge)
             return
         import torch
 

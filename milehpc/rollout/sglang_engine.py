@@ -438,8 +438,8 @@ class SGLangEngine:
                     else:
                         self.version = version  # no adapter synced yet: the base is the policy (peft's B = 0)
                 version = self.version
-                if (path := self.adapter_names.get(sampling.adapter)) is not None:
-                    kwargs["lora_path"] = [path] * len(requests)
+                if (paths := self._lora_paths(requests, sampling)) is not None:
+                    kwargs["lora_path"] = paths
                 try:
                     outputs = self._call("generate", self._engine.generate, **kwargs)
                     break
@@ -457,6 +457,16 @@ class SGLangEngine:
             self.kill_scheduler()
         self.batches += 1
         return out
+
+    def _lora_paths(self, requests: list[sm.Request], sampling: SamplingParams) -> list[str | None] | None:
+        """Each request's ``lora_path``: the loaded name of its prompt's adapter (multi-LoRA: every adapter in the one
+        batch; one not synced yet, or None, is the base), or of the job's one adapter; None without LoRA."""
+        if sampling.adapters is not None:
+            if any(r.source is not None for r in requests):
+                raise RuntimeFailure("continuing partial rollouts per adapter is not supported")
+            return [self.adapter_names.get(sampling.adapters[r.group]) for r in requests]
+        path = self.adapter_names.get(None)
+        return None if path is None else [path] * len(requests)
 
     def kill_scheduler(self) -> None:
         """Fault injection (``MILEHPC_FAULT=scheduler:N``, ``sync:V``, ``eval:STEP``): SIGKILL this engine's
@@ -568,17 +578,24 @@ class SGLangEngine:
 
     def _load_peft(self, adapters: dict[str | None, dict[str, torch.Tensor]], version: int) -> None:
         """Load each adapter's tensors (peft names) as weight version ``version``; the ones they replace are unloaded
-        once all loaded (a failed load leaves the engine serving the previous ones)."""
+        once all loaded. A failed load leaves the engine serving the previous ones alone: the new ones loaded before
+        it are unloaded again."""
         with self._lock:
             loaded: dict[str | None, str] = {}
-            for adapter, tensors in adapters.items():
-                config = sglang_lora.config_dict(tensors, self.lora)
-                self._adapter_loads += 1  # a version sent again (a re-sync) loads under a new name too
-                name = sglang_lora.adapter_name(version, self._adapter_loads, adapter)
-                result = self._call("load_lora_adapter_from_tensors", self._engine.load_lora_adapter_from_tensors,
-                                    name, tensors, config)
-                _check_result("load_lora_adapter_from_tensors", (result.success, result.error_message))
-                loaded[adapter] = name
+            try:
+                for adapter, tensors in adapters.items():
+                    config = sglang_lora.config_dict(tensors, self.lora)
+                    self._adapter_loads += 1  # a version sent again (a re-sync) loads under a new name too
+                    name = sglang_lora.adapter_name(version, self._adapter_loads, adapter)
+                    result = self._call("load_lora_adapter_from_tensors", self._engine.load_lora_adapter_from_tensors,
+                                        name, tensors, config)
+                    _check_result("load_lora_adapter_from_tensors", (result.success, result.error_message))
+                    loaded[adapter] = name
+            except RuntimeFailure:
+                if self.health():  # (a dead engine forgets them all: its restart loads what the rank holds)
+                    for name in loaded.values():
+                        self._unload_adapter(name)
+                raise
             old = [self.adapter_names[a] for a in loaded if a in self.adapter_names]
             self.adapter_names.update(loaded)
             self.adapters.update(adapters)

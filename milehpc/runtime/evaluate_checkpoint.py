@@ -30,14 +30,16 @@ class EvalReport:
     notes: list[str]
 
 
-def eval_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "eval" / f"step_{step}.json"
+def eval_path(run_dir: Path, step: int, adapter: str | None = None) -> Path:
+    return run_dir / "eval" / (f"step_{step}.json" if adapter is None else f"step_{step}.{adapter}.json")
 
 
 def evaluate_checkpoint(run_dir: str | Path, data: str | Path, *, step: int | None = None,
-                        overrides: dict[str, Any] | None = None, force: bool = False) -> EvalReport:
+                        overrides: dict[str, Any] | None = None, force: bool = False,
+                        adapter: str | None = None) -> EvalReport:
     """Evaluate checkpoint ``step`` (default: the newest) of the run in ``run_dir`` on the prompts of ``data``.
-    ``overrides``: ``[eval]`` fields (``n_samples``, ``pass_k``, ...) for this evaluation only."""
+    ``overrides``: ``[eval]`` fields (``n_samples``, ``pass_k``, ...) for this evaluation only. A multi-LoRA run:
+    the policy of ``adapter`` (required there), scored with that adapter's reward."""
     from milehpc.config.job import EvalSpec
     from milehpc.config.schema import build, to_dict
     from milehpc.export.run import policy_weights
@@ -48,28 +50,40 @@ def evaluate_checkpoint(run_dir: str | Path, data: str | Path, *, step: int | No
     run_dir = Path(run_dir)
     source = load_source(run_dir, step)
     step = source.info.step
-    out = eval_path(run_dir, step)
+    job = source.job
+    adapters = list(job.trainer.lora.adapters) if job.trainer.lora is not None else []
+    if adapters and adapter not in adapters:
+        raise ConfigError(f"a multi-LoRA run has one policy per adapter: expected --adapter one of {', '.join(adapters)}"
+                          f", got {adapter or 'none'}", field="--adapter")
+    if adapter is not None and not adapters:
+        raise ConfigError(f"--adapter names one adapter of a multi-LoRA run; this run trains "
+                          f"{'one adapter' if job.trainer.lora is not None else 'the whole model'}", field="--adapter")
+    out = eval_path(run_dir, step, adapter)
     if out.exists() and not force:
         raise ConfigError("an evaluation of this step is there already: expected --force to replace it",
                           file=str(out))
-    job = source.job
     spec = build(EvalSpec, {**to_dict(job.eval), **(overrides or {})}, prefix="eval")
     if str(data).startswith("task:") and spec.max_prompts == 0:  # as the loop's rule: a generated task has no end
         raise ConfigError(f"a generated task ({data}) has no end: expected --max-prompts N > 0 (or eval.max_prompts "
                           "in the job), got 0", field="--max-prompts")
     job = replace(job, eval=spec)
+    if adapter is not None:  # the file as this adapter's held-out prompts (the others' kept, unread: same seeds)
+        lora = job.trainer.lora
+        assert lora is not None
+        named = {n: replace(a, val_source=str(data) if n == adapter else "") for n, a in lora.adapters.items()}
+        job = replace(job, trainer=replace(job.trainer, lora=replace(lora, adapters=named)))
     notes = []
     if job.rollout.engine not in REFERENCE_ENGINES:
         notes.append(f"the job's engine is {job.rollout.engine!r}: evaluating with the reference engine (same "
                      "weights, sampling and seeds) in this process")
     engine = build_engine(job)
-    engine.update_weights(policy_weights(source).items(), source.weight_version)
+    engine.update_weights(policy_weights(source, adapter).items(), source.weight_version)
     evaluator = Evaluator(job, engine.tokenizer, data=str(data))
     results = evaluator.run(engine)
     metrics = {**evaluator.metrics(results), "eval/weight_version": float(source.weight_version)}
     record = {"format": 1, "run_dir": str(run_dir.resolve()), "step": step, "metric_step": step - 1,
               "weight_version": source.weight_version, "checkpoint": str(source.info.path.resolve()),
-              "data": str(Path(data).resolve()), "engine": "reference", "eval": to_dict(spec),
+              "data": str(Path(data).resolve()), "adapter": adapter, "engine": "reference", "eval": to_dict(spec),
               "metrics": metrics, "results": results_to_json(results)}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")

@@ -2,6 +2,6 @@
 trainers and algorithms compute on (``samples.batch``), and how samples are stored in HDF5 (``samples.h5``: the one
 codec, used by the rollout dumps in ``samples.dumps`` and by checkpoints)."""
 
-from milehpc.samples.sample import Group, Sample, Status, samples_of
+from milehpc.samples.sample import ADAPTER_KEY, Group, Sample, Status, samples_of
 
-__all__ = ["Group", "Sample", "Status", "samples_of"]
+__all__ = ["ADAPTER_KEY", "Group", "Sample", "Status", "samples_of"]

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+ADAPTER_KEY = "adapter"  # multi-LoRA: the metadata key naming the adapter a prompt (and its samples) belongs to
+
 
 class Status(str, enum.Enum):
     COMPLETED = "completed"  # stopped on EOS / a stop string

@@ -15,11 +15,12 @@ every rank, and the update equals the single-rank one on the union batch. The Me
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from milehpc.data.adapters import ADAPTER_KEY
 from milehpc.errors import RuntimeFailure
+from milehpc.samples import ADAPTER_KEY
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +86,7 @@ def adapter_optimizers(trainer: TorchTrainer) -> tuple[dict[str, Any], dict[str,
     return optimizers, schedulers
 
 
+JOB_LEVEL_NORMS = ("train/grad_norm", "sft/grad_norm")
 REPORTED = {"train/loss": "loss", "train/grad_norm": "grad_norm", "train/lr": "lr", "train/tokens": "tokens",
             "train/actor/kl": "kl", "sft/loss": "sft_loss"}  # of an adapter's step metrics, under adapter/<NAME>/
 
@@ -92,8 +94,9 @@ REPORTED = {"train/loss": "loss", "train/grad_norm": "grad_norm", "train/lr": "l
 def per_adapter(trainer: TorchTrainer, samples: list[Sample], update: Callable[[list[Sample], str], dict[str, float]],
                 *, skipped: Callable[[str], None] | None = None) -> dict[str, float]:
     """``update(part, name)`` for each adapter with samples, that adapter active (``skipped(name)`` for one without);
-    its metrics under ``adapter/<NAME>/`` and the job's totals (token-weighted means; counts and times summed;
-    extremes kept)."""
+    its metrics under ``adapter/<NAME>/`` and the job's totals: token-weighted means, counts and times summed,
+    extremes kept, ``grad_norm`` the norm over every adapter's gradients, and no job-level ``lr`` (each adapter has
+    its own)."""
     per: dict[str, dict[str, float]] = {}
     parts = split_by_adapter(samples, trainer.adapters)
     counts = [float(len(p)) for p in parts.values()]
@@ -117,7 +120,11 @@ def per_adapter(trainer: TorchTrainer, samples: list[Sample], update: Callable[[
         for key, value in metrics.items():
             if key in REPORTED:
                 out[f"{PREFIX}/{name}/{REPORTED[key]}"] = value
-            if key.startswith("time/") or key == "train/tokens":
+            if key in JOB_LEVEL_NORMS:  # as one optimizer over all the adapters would report it
+                out[key] = math.hypot(out.get(key, 0.0), value)
+            elif key == "train/lr":
+                continue
+            elif key.startswith("time/") or key == "train/tokens":
                 out[key] = out.get(key, 0.0) + value
             elif key.endswith("_max"):
                 out[key] = max(out.get(key, value), value)

@@ -204,6 +204,19 @@ class TorchTrainer:
         return to_batch(samples, self.pad_id).to(self.device)
 
     def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """The policy's logprobs of each sample's response tokens; several adapters: each with its own adapter."""
+        if self.adapters:
+            from milehpc.train.multi_lora import split_by_adapter
+
+            by_sample = {}
+            for name, part in split_by_adapter(samples, self.adapters).items():
+                if part:
+                    self.module.base_model.set_adapter(name)
+                    by_sample.update(zip(map(id, part), self._logprobs(part), strict=True))
+            return [by_sample[id(s)] for s in samples]
+        return self._logprobs(samples)
+
+    def _logprobs(self, samples: list[Sample]) -> list[list[float]]:
         import torch
 
         batch = self._batch(samples)
@@ -229,7 +242,10 @@ class TorchTrainer:
         if self.adapters:
             from milehpc.train import lora
 
-            return {a: self._adamw([p for _, p in lora.trainable(self.module, [a])], lr) for a in self.adapters}
+            spec = self.job.trainer.lora
+            assert spec is not None
+            return {a: self._adamw([p for _, p in lora.trainable(self.module, [a])], lr, spec.adapters[a].weight_decay)
+                    for a in self.adapters}
         return self._adamw(self._trainable(self.model), lr)
 
     def sft_step(self, samples: list[Sample], optimizer: Any) -> dict[str, float]:

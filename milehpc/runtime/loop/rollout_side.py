@@ -49,11 +49,11 @@ class RolloutSide:
         self.e, self.E = engine_index, num_engines
         ro = job.rollout
         self.tokenizer = build_tokenizer(job.model.tokenizer)
-        # Multi-LoRA: the adapters' own streams, mixed per step; each adapter's reward (runtime.loop.adapter_streams)
+        # Multi-LoRA: the adapters' own streams, mixed per step; each adapter's reward (rewards.routing)
         self.multi = job.trainer.lora is not None and bool(job.trainer.lora.adapters)
         if self.multi:
             from milehpc.data.adapters import adapter_mix
-            from milehpc.runtime.loop.adapter_streams import adapter_scorer
+            from milehpc.rewards.routing import adapter_scorer
 
             self.source: Any = adapter_mix(job, self.tokenizer, file=file)
             self.scorer: Any = adapter_scorer(job, file=file)
@@ -122,9 +122,7 @@ class RolloutSide:
         stats["carried"] = len(self.state.carry)
         stats["engine_restarts"] = float(getattr(self.engine, "restarts", 0))  # in place, since this process began
         self.state.step += 1
-        self.state.data = {"cursor": self._cursor}
-        if self.multi:  # where each adapter's stream stands (the cursor alone resumes them)
-            self.state.data["adapters"] = self.source.positions(self._cursor * self.E + self.e)
+        self.state.data = {"cursor": self._cursor}  # (multi-LoRA: the cursor alone positions every adapter's stream)
         return groups, stats
 
     def _count(self, group: Group, stats: dict[str, float]) -> None:
@@ -158,12 +156,11 @@ class RolloutSide:
                 cont = [s for s in self.state.carry if s.status is Status.ABORTED]
                 if cont:
                     self.engine.generate([], replace(sp, n=1), samples=cont)
-            if self.multi:
-                from milehpc.runtime.loop.adapter_streams import generate_by_adapter
+            if self.multi:  # every prompt with its adapter, in one engine call
+                from milehpc.samples import ADAPTER_KEY
 
-                out = generate_by_adapter(self.engine, prompts, sp)
-            else:
-                out = self.engine.generate([p.ids for p in prompts], sp) if prompts else []
+                sp = replace(sp, adapters=[p.metadata[ADAPTER_KEY] for p in prompts])
+            out = self.engine.generate([p.ids for p in prompts], sp) if prompts else []
         for s in out:  # engine-local group index → the prompt's stream position
             p = prompts[s.group]
             s.group, s.label, s.prompt_text = p.index, p.label, p.text

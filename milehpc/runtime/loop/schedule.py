@@ -59,10 +59,18 @@ def deal_groups(groups: list[Group], dp_size: int) -> list[list[Group]]:
 def target_reached(job: JobSpec, history: list[dict[str, float]], metrics: dict[str, float],
                    window: int = TARGET_WINDOW) -> bool:
     """``run.target_reward`` reached by the mean reward of the last ``window`` steps (``history`` and this step's
-    ``metrics``): one lucky batch does not end a run."""
+    ``metrics``): one lucky batch does not end a run. Several adapters: by every adapter's own mean reward."""
     t = job.run.target_reward
     if t is None or "rollout/reward_mean" not in metrics:
         return False
-    recent = [h["rollout/reward_mean"] for h in history[-(window - 1):] if "rollout/reward_mean" in h]
-    recent.append(metrics["rollout/reward_mean"])
-    return len(recent) >= min(window, job.run.steps) and sum(recent) / len(recent) >= t
+    for key in target_keys(metrics):
+        recent = [h[key] for h in history[-(window - 1):] if key in h]
+        recent.append(metrics[key])
+        if len(recent) < min(window, job.run.steps) or sum(recent) / len(recent) < t:
+            return False
+    return True
+
+
+def target_keys(metrics: dict[str, float]) -> list[str]:
+    """The rewards ``run.target_reward`` judges: each adapter's (multi-LoRA), else the step's."""
+    return [k for k in metrics if k.startswith("adapter/") and k.endswith("/reward_mean")] or ["rollout/reward_mean"]

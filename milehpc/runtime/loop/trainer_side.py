@@ -136,7 +136,8 @@ class TrainerSide:
         rows = self.history + ([self.unreported] if self.unreported is not None else [])
         out = {"loop": self.state.state_dict(), "trainer": self.trainer.state_dict_for_checkpoint(),
                # the last steps' rewards: a resumed run judges run.target_reward over the same window
-               "recent": [{"step": h["step"], "rollout/reward_mean": h["rollout/reward_mean"]}
+               "recent": [{"step": h["step"], "rollout/reward_mean": h["rollout/reward_mean"],
+                           **{k: h[k] for k in schedule.target_keys(h)}}
                           for h in rows[-schedule.TARGET_WINDOW:] if "rollout/reward_mean" in h]}
         return out
 
