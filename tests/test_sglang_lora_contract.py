@@ -189,6 +189,34 @@ def test_contract_several_adapters_load_side_by_side_and_route_per_request(engin
         assert held.keys() >= {n for n, _ in sent} and all((held[n] == t).all() for n, t in sent)
 
 
+def test_contract_a_load_failing_partway_leaves_the_previous_adapters_alone(engine, model_dir, multi_spec,
+                                                                            monkeypatch):
+    """A sync whose second adapter SGLang refuses (its config names a rank above the engine's max_lora_rank): the
+    error is one RuntimeFailure, the first adapter's new name is unloaded again, and the previous version's adapters
+    stay loaded and serving (runs after the multi-LoRA test, which left both loaded)."""
+    from milehpc.errors import RuntimeFailure
+    from milehpc.rollout import sglang_lora
+
+    before = dict(engine.adapter_names)
+    assert set(ADAPTERS) <= set(before), before
+    registry = engine._engine.tokenizer_manager.lora_registry
+    loaded = set(registry.get_all_adapters())
+    answers = {a: [s.response_ids for s in greedy(engine, a)] for a in ADAPTERS}
+    real, calls = sglang_lora.config_dict, []
+
+    def second_refused(tensors, spec):
+        calls.append(1)
+        return {**real(tensors, spec), **({"r": 4 * spec.rank} if len(calls) == 2 else {})}
+
+    monkeypatch.setattr(sglang_lora, "config_dict", second_refused)
+    sent = [(n, t.clone()) for n, t in engine.named_parameters() if ".rev." in n or ".srt." in n]
+    with pytest.raises(RuntimeFailure, match="load_lora_adapter_from_tensors"):
+        engine.update_weights(iter(sent), version=99)
+    assert len(calls) == 2 and engine.health() and engine.adapter_names == before and engine.version != 99
+    assert set(registry.get_all_adapters()) == loaded  # rev's v99 name went again
+    assert {a: [s.response_ids for s in greedy(engine, a)] for a in ADAPTERS} == answers
+
+
 def test_contract_a_dead_lora_engine_comes_back_serving_its_adapter(engine, model_dir, spec):
     """Separate rollout ranks: a LoRA engine whose scheduler died is restarted in place by the next request, with
     LoRA enabled, and serves the adapter the rank held (same version, same greedy output and logprobs as peft)

@@ -3,8 +3,9 @@
 pass@k and mean reward per data source and overall.
 
 Multi-LoRA (``[trainer.lora.adapters.NAME]``): the prompts are each adapter's ``val_source`` (at most
-``eval.max_prompts`` each), answered with that adapter and scored with its reward; the per-source metrics are per
-adapter (``eval/<NAME>/acc``).
+``eval.max_prompts`` each), answered with that adapter and scored with its reward, in batches of their own (batch
+``b`` of an adapter seeded ``eval.seed + b``: an adapter's numbers do not depend on the others'); the per-source
+metrics are per adapter (``eval/<NAME>/acc``).
 
 Used by the RL loop every ``run.eval_every`` steps (:mod:`milehpc.runtime.loop.evaluation`) and by ``milehpc eval``
 (:mod:`milehpc.runtime.evaluate_checkpoint`). The prompts are cut into fixed batches of ``eval.batch_size``; batch
