@@ -144,10 +144,15 @@ _LIVE: weakref.WeakSet[SGLangEngine] = weakref.WeakSet()
 
 
 def sigquit_handler(signum: int = signal.SIGQUIT, frame: Any = None) -> None:
-    """SIGQUIT from an SGLang child: mark this process's engines dead instead of killing the rank."""
+    """SIGQUIT from an SGLang child: mark this process's engines dead instead of killing the rank. The signal does not
+    say whose child sent it: an engine is marked only while one of its own processes is gone or its engine has none
+    yet. The watchdog thread of an engine that was just restarted in place may still report the child it lost (seen
+    under load: the restarted engine was marked dead by its predecessor's late "scheduler crashed with exit code -9");
+    a failing child that signals before it exits is found by :meth:`SGLangEngine.health` once it has."""
     for engine in list(_LIVE):
         engine.sigquits += 1
-        engine._dead_reason = engine._dead_reason or "an SGLang subprocess signalled a failure (SIGQUIT)"
+        if not engine._pids or any(not _alive(pid) for pid in engine._pids):
+            engine._dead_reason = engine._dead_reason or "an SGLang subprocess signalled a failure (SIGQUIT)"
 
 
 def _report_instead_of_kill(engine: Any) -> None:
@@ -378,7 +383,11 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         if self._engine is not None:
-            # Our SIGQUIT handler stays installed: a child dying during teardown must not take the rank down.
+            # Our SIGQUIT handler stays installed: a child dying during teardown must not take the rank down. The
+            # engine's watchdog thread goes first: it would report this engine's children to the next one.
+            watchdog = getattr(getattr(self._engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+            if watchdog is not None:
+                watchdog.stop()
             try:
                 self._engine.shutdown()
             finally:
