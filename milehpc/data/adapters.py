@@ -15,6 +15,7 @@ draw more prompts than a step's, so their steps hold the shares only on average.
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 from milehpc.data.source import Prompt, PromptSource
@@ -74,19 +75,13 @@ class AdapterValidation:
 
     def __init__(self, sources: dict[str, PromptSource], max_prompts: int = 0) -> None:
         self.sources = sources
-        self.examples = [(name, i) for name, src in sources.items()
-                         for i in range(min(len(src.examples), max_prompts) if max_prompts else len(src.examples))]
+        counts = {n: min(len(src.examples), max_prompts) if max_prompts else len(src.examples)
+                  for n, src in sources.items()}
+        self.examples = [(name, i) for name, n in counts.items() for i in range(n)]
+        ends = list(accumulate(counts.values()))
+        self.spans = [range(end - n, end) for n, end in zip(counts.values(), ends, strict=True)]  # each adapter's
         self.name = ", ".join(f"{n}: {s.name}" for n, s in sources.items())
         self.data_sources = {d for s in sources.values() for d in s.data_sources}
-
-    def spans(self) -> list[range]:
-        """Each adapter's positions."""
-        out, start = [], 0
-        for name in self.sources:
-            n = sum(1 for a, _ in self.examples if a == name)
-            out.append(range(start, start + n))
-            start += n
-        return out
 
     def peek(self, position: int) -> Prompt:
         name, inner = self.examples[position]

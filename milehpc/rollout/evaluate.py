@@ -150,7 +150,7 @@ class Evaluator:
         """(seed offset, positions) of each batch of ``eval.batch_size`` prompts. Several adapters: each adapter's
         prompts in batches of their own, counted from 0, so an adapter's numbers do not depend on the others'."""
         bs = self.spec.batch_size
-        spans = self.source.spans() if isinstance(self.source, AdapterValidation) else [range(self.size)]
+        spans = self.source.spans if isinstance(self.source, AdapterValidation) else [range(self.size)]
         return [(b, span[b * bs:(b + 1) * bs]) for span in spans for b in range(-(-len(span) // bs))]
 
     def run(self, engine: Engine, *, engine_index: int = 0, num_engines: int = 1) -> list[PromptResult]:

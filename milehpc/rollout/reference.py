@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from milehpc.errors import RuntimeFailure
 from milehpc.rollout.engine import SamplingParams, by_adapter
 from milehpc.samples import Sample, Status
 
@@ -88,7 +89,7 @@ class ReferenceEngine:
         previous adapter's."""
         if sampling.adapters is not None:
             if samples is not None:
-                raise ValueError("continuing partial rollouts per adapter is not supported")
+                raise RuntimeFailure("continuing partial rollouts per adapter is not supported")
             out: list[Sample] = []
             for name, where in by_adapter(sampling.adapters).items():
                 self.use_adapter(name)

@@ -70,18 +70,23 @@ def set_adapter(trainer: TorchTrainer, name: str) -> None:
         trainer.ref.requires_grad_(False)  # set_adapter makes the active adapter trainable: not in the reference
 
 
-def adapter_optimizers(trainer: TorchTrainer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Each adapter's AdamW (its ``lr`` and ``weight_decay``, else [trainer]'s) over its parameters alone, and its
-    LR schedule."""
+def adapter_adamw(trainer: TorchTrainer, name: str, lr: float) -> Any:
+    """An AdamW over adapter ``name``'s parameters alone, with its ``weight_decay`` (else [trainer]'s)."""
     from milehpc.train import lora
 
+    spec = trainer.job.trainer.lora
+    assert spec is not None
+    return trainer._adamw([p for _, p in lora.trainable(trainer.module, [name])], lr, spec.adapters[name].weight_decay)
+
+
+def adapter_optimizers(trainer: TorchTrainer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each adapter's AdamW (its ``lr``, else [trainer]'s) and its LR schedule."""
     tr, spec = trainer.job.trainer, trainer.job.trainer.lora
     assert spec is not None
     optimizers, schedulers = {}, {}
     for name, adapter in spec.adapters.items():
         lr = tr.lr if adapter.lr is None else adapter.lr
-        params = [p for _, p in lora.trainable(trainer.module, [name])]
-        optimizers[name] = trainer._adamw(params, lr, adapter.weight_decay)
+        optimizers[name] = adapter_adamw(trainer, name, lr)
         schedulers[name] = trainer._schedule(optimizers[name], lr)
     return optimizers, schedulers
 

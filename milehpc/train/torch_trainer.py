@@ -240,12 +240,9 @@ class TorchTrainer:
         """A fresh AdamW over the policy for the warm-up (its moments do not carry into RL); several adapters: one
         per adapter, by name."""
         if self.adapters:
-            from milehpc.train import lora
+            from milehpc.train.multi_lora import adapter_adamw
 
-            spec = self.job.trainer.lora
-            assert spec is not None
-            return {a: self._adamw([p for _, p in lora.trainable(self.module, [a])], lr, spec.adapters[a].weight_decay)
-                    for a in self.adapters}
+            return {a: adapter_adamw(self, a, lr) for a in self.adapters}
         return self._adamw(self._trainable(self.model), lr)
 
     def sft_step(self, samples: list[Sample], optimizer: Any) -> dict[str, float]:
