@@ -11,6 +11,9 @@ import pytest
 
 # Tests share 2 cores with MPI ranks: one intra-op thread per process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# What the local site sets for its ranks (site-configs/local.toml), for the tests' own mpirun/srun launches too: Open
+# MPI's libfabric transport costs ~1 s of every rank's MPI_Init on one host and carries nothing here.
+os.environ.setdefault("OMPI_MCA_btl", "^ofi")
 
 # The user's job record and caches stay untouched: milehpc's per-user paths point into a session temp dir
 # (tests/no_trace.py; the session fails if the user's own ones changed).
@@ -21,6 +24,18 @@ no_trace.isolate()
 
 def pytest_sessionfinish(session, exitstatus):
     no_trace.finish(session)
+
+
+# The quick tier (`bash scripts/test.sh --quick`, under 5 minutes on 2 cores): every test that launches no MPI job,
+# uses no Slurm cluster and is not slow (unit, config, render and the real-package contract tests), plus the tests
+# marked `smoke` (one end-to-end launch of the RL loop). CI runs everything.
+NOT_QUICK = ("slow", "mpi", "slurm")
+
+
+def mark_quick(items) -> None:
+    for item in items:
+        if item.get_closest_marker("smoke") or not any(item.get_closest_marker(m) for m in NOT_QUICK):
+            item.add_marker(pytest.mark.quick)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,6 +53,7 @@ def pytest_collection_modifyitems(config, items):
             minutes[file_of(item)] += mark.kwargs.get("minutes", 0.5)
     first_seen = {f: i for i, f in enumerate(dict.fromkeys(map(file_of, items)))}
     items.sort(key=lambda item: (-minutes[file_of(item)], first_seen[file_of(item)]))
+    mark_quick(items)
 
 
 def pytest_addoption(parser):

@@ -30,6 +30,7 @@ others, each of which re-carves Megatron's parallel state out of the same 2-rank
 from __future__ import annotations
 
 import json
+import math
 import sys
 import warnings
 from typing import Any
@@ -286,7 +287,11 @@ def _algorithm(name: str) -> dict[str, Any]:
 
 def _parity_job(algorithm: dict[str, Any], *, colocate: bool = False, options: dict[str, Any] | None = None,
                 model_path: str | None = None, **trainer: Any) -> Any:
-    """No clipping and no weight decay (Megatron exempts norms and biases from decay; the torch AdamW does not)."""
+    """No clipping and no weight decay (Megatron exempts norms and biases from decay; the torch AdamW does not).
+    ``adam_eps`` well above the gradients' fp32 noise (~1e-7 of the largest, 0.2): with the default 1e-8, Adam's first
+    update of a parameter whose true gradient is ~0 is +-lr whichever sign the rounding gave it, and the two trainers'
+    second-step gradients then differed by up to 4e-5 of the largest (the CPU's reduction order decided); with 1e-4 a
+    gradient below it moves its parameter by lr * g / 1e-4, continuous in g."""
     from milehpc.config.load import job_from_dict
 
     model: dict[str, Any] = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
@@ -297,7 +302,7 @@ def _parity_job(algorithm: dict[str, Any], *, colocate: bool = False, options: d
     rollout = {"temperature": 0.8, "engines": ranks if colocate else 1}  # colocated: an engine on every rank
     return job_from_dict({"name": "parity", "model": model, "rollout": rollout, "algorithm": algorithm,
                           "resources": {"colocate": colocate},
-                          "trainer": {"backend": "megatron", "micro_batch_size": 2, "lr": 1e-2, "clip_grad": 0.0,
+                          "trainer": {"backend": "megatron", "micro_batch_size": 2, "lr": 1e-2, "clip_grad": 0.0, "adam_eps": 1e-4,
                                       "options": options or {}, **trainer}})
 
 
@@ -526,9 +531,28 @@ def check_parity_tp2pp2(comm: Any, work: str) -> dict[str, Any]:
     return out
 
 
+WIDEST = max(64, 48, V)  # the parity model's widest layer (hidden, MLP, vocabulary; tests/family_models.SHAPE alike)
+DEPTH = 2 + 2  # chained reductions of a gradient: its layers, the embedding and the head
+
+
+def grads_tolerance(samples: list[Any]) -> float:
+    """How far two fp32 computations of the same gradient may differ, relative to the largest gradient, when they
+    reduce in another order (TP/PP/DP splits, other kernels): the probabilistic rounding-error bound (Higham & Mary,
+    SIAM J. Sci. Comput. 41(5), 2019): a reduction of n terms errs by at most lambda * sqrt(n) * u times its terms'
+    magnitude (u = 2**-24) with probability at least 1 - 2 exp(-lambda**2 / 2). lambda = 7 keeps that above
+    1 - 1e-5 for all of the model's ~50k parameters at once; n is the longest reduction (the batch's tokens times the
+    widest layer), chained through DEPTH reductions. The compared gradients are the second step's: the first
+    step's Adam update is made noise-free by ``adam_eps`` (see :func:`_parity_job`), so the first step adds no
+    more than its own rounding."""
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    return 7.0 * DEPTH * math.sqrt(tokens * WIDEST) * 2.0**-24
+
+
 def _scales(want: dict[str, Any]) -> dict[str, Any]:
-    """The torch trainer's KL and largest gradients: what the tolerances scale with."""
-    out = {"torch_kl": want["kl"], "grads_max": max(float(g.abs().max()) for g in want["grads"].values())}
+    """The torch trainer's KL and largest gradients, and the gradients' relative tolerance: what the tolerances
+    scale with."""
+    out = {"torch_kl": want["kl"], "grads_max": max(float(g.abs().max()) for g in want["grads"].values()),
+           "grads_tol": grads_tolerance(_parity_samples())}
     if want["critic_grads"] is not None:
         out["torch_value_loss"] = want["value_loss"]
         out["critic_grads_max"] = max(float(g.abs().max()) for g in want["critic_grads"].values())

@@ -8,9 +8,11 @@ Two launches only (importing megatron, torch and transformers costs seconds per 
   collective of an NCCL group fails, as on a GPU); and the same batch through the torch trainer and the Megatron
   trainer (TP=1 x DP=2, TP=2, PP=2, TP=2 x PP=2) with a KL reference, a critic (PPO/GAE) and a teacher
   (distillation): same loss, KL, value loss, policy and critic gradients.
-* the RL loop through ``milehpc run --site local``: GRPO + KL with Megatron trainer ranks at TP=2 x PP=2 x DP=2 (8 ranks,
-  the distributed optimizer) and the reference engine on a 9th rank; after every weight sync (Megatron -> HF converter, one sync group per
-  pipeline stage) the engine's logprobs match the trainer's; periodic checkpoints go through dist_checkpointing; the
+* the RL loop through ``milehpc run --site local``: GRPO + KL with Megatron trainer ranks at PP=2 x DP=2 (4 ranks, the
+  distributed optimizer) and the reference engine on a 5th rank; after every weight sync (Megatron -> HF converter, one
+  sync group per pipeline stage) the engine's logprobs match the trainer's (TP=2 in the loop: the resume test in
+  tests/test_megatron_resume_mpi.py and the reshard in tests/test_ckpt_reshard_mpi.py; TP=2 x PP=2 against the torch
+  trainer: the parity launch above); periodic checkpoints go through dist_checkpointing; the
   engine evaluates held-out prompts greedily, and the checkpoint exported with ``milehpc export`` generates the same
   tokens in ``transformers``.
 """
@@ -105,7 +107,7 @@ def test_megatron_matches_the_torch_trainer_with_a_kl_reference(checks: dict, kl
     for layout in ("tp1", "tp2", "pp2"):
         assert got[f"{layout}_grad_norm_rel"] < 1e-5, got
         assert got[f"{layout}_frozen_trainable"] == 0  # frozen: no gradients, no optimizer state
-        assert got[f"{layout}_grads_maxdiff"] < 1e-5 * got["grads_max"], got  # every parameter
+        assert got[f"{layout}_grads_maxdiff"] < got["grads_tol"] * got["grads_max"], got  # every parameter
     for layout in ("tp1", "tp2", "pp2"):
         assert got[f"{layout}_loss_diff"] < 1e-6, got
     for layout in ("tp2", "pp2"):
@@ -125,8 +127,8 @@ def test_megatron_matches_the_torch_trainer_with_a_critic(checks: dict) -> None:
     assert got["torch_value_loss"] > 1e-3 and got["critic_grads_max"] > 1e-2  # the critic's loss is live
     for layout in ("tp1", "tp2", "pp2"):
         assert got[f"{layout}_grad_norm_rel"] < 1e-5 and got[f"{layout}_critic_grad_norm_rel"] < 1e-5, got
-        assert got[f"{layout}_grads_maxdiff"] < 1e-5 * got["grads_max"], got
-        assert got[f"{layout}_critic_grads_maxdiff"] < 1e-5 * got["critic_grads_max"], got
+        assert got[f"{layout}_grads_maxdiff"] < got["grads_tol"] * got["grads_max"], got
+        assert got[f"{layout}_critic_grads_maxdiff"] < got["grads_tol"] * got["critic_grads_max"], got
     for layout in ("tp1", "tp2", "pp2"):  # DP=2 too: the reported losses are sums of step-normalised shares
         assert got[f"{layout}_loss_diff"] < 1e-6 and got[f"{layout}_value_loss_diff"] < 1e-6, got
 
@@ -138,7 +140,7 @@ def test_megatron_matches_the_torch_trainer_with_a_teacher(checks: dict) -> None
     got = checks["parity"]["distill"]
     for layout in ("tp1", "tp2", "pp2"):
         assert got[f"{layout}_grad_norm_rel"] < 1e-5, got
-        assert got[f"{layout}_grads_maxdiff"] < 3e-5 * got["grads_max"], got
+        assert got[f"{layout}_grads_maxdiff"] < got["grads_tol"] * got["grads_max"], got
         assert got[f"{layout}_frozen_trainable"] == 0
     for layout in ("tp1", "tp2", "pp2"):
         assert got[f"{layout}_loss_diff"] < 1e-6, got
@@ -155,13 +157,13 @@ def test_megatron_matches_the_torch_trainer_at_tp2_pp2(checks: dict) -> None:
         got = checks["parity4"][name]
         assert got["layout"] == [2, 2, 1]  # TP, PP, DP
         assert got["loss_diff"] < 1e-6 and got["grad_norm_rel"] < 1e-5, (name, got)
-        assert got["grads_maxdiff"] < 3e-5 * got["grads_max"], (name, got)
+        assert got["grads_maxdiff"] < got["grads_tol"] * got["grads_max"], (name, got)
         assert got["frozen_trainable"] == 0
     kl = checks["parity4"]["kl_loss"]
     assert kl["torch_kl"] > 0.05 and kl["kl_diff"] < 1e-6 * kl["torch_kl"] + 1e-7, kl
     gae = checks["parity4"]["gae"]
     assert gae["value_loss_diff"] < 1e-6 and gae["critic_grad_norm_rel"] < 1e-5, gae
-    assert gae["critic_grads_maxdiff"] < 1e-5 * gae["critic_grads_max"], gae
+    assert gae["critic_grads_maxdiff"] < gae["grads_tol"] * gae["critic_grads_max"], gae
     assert sorted(checks["parity4"]) == sorted(["distill", "family", "gae", "kl_loss", *LIVE])
     # A Qwen3 folder with Llama 3.x RoPE scaling (tests/model_family_checks.py has every family at TP=1).
     family = checks["parity4"]["family"]
@@ -206,15 +208,13 @@ def test_megatron_matches_the_torch_trainer_on_every_estimator_and_loss(checks: 
     the same reported loss too (at DP=2: the shares added up)."""
     got, four = checks["parity"][name], checks["parity4"][name]
     assert LIVE[name](got), got
-    # Two epochs: the compared gradients come after four Adam updates, each of which turns fp32 noise in the
-    # smallest gradients into whole +-lr steps; the other configurations take two.
-    noise = 10.0 if name == "dr_grpo" else 1.0
     loss_tol = 1e-6 * (1.0 + abs(got["torch_step_loss"]))
     assert got["tp1_layout"] == [1, 1, 2] and four["layout"] == [2, 2, 1]
     for layout, figures in (("tp1_", got), ("", four)):
         assert figures[f"{layout}step_loss_diff"] < loss_tol, (layout, figures)
-        assert figures[f"{layout}grad_norm_rel"] < 1e-5 * noise, (layout, figures)
-        assert figures[f"{layout}grads_maxdiff"] < 1e-5 * noise * figures["grads_max"], (layout, figures)
+        assert figures[f"{layout}grad_norm_rel"] < 1e-5, (layout, figures)
+        # megatron_checks.grads_tolerance: the fp32 rounding bound of the gradient's reductions
+        assert figures[f"{layout}grads_maxdiff"] < figures["grads_tol"] * figures["grads_max"], (layout, figures)
     # The reported train/loss too (epochs averaged alike; at DP=2 the micro-batches' step-normalised shares added up)
     assert four["loss_diff"] < loss_tol and got["tp1_loss_diff"] < loss_tol, (got, four)
     if name == "reinforce_pp":
@@ -260,7 +260,7 @@ kl_coef = 0.05
 kl_type = "low_var_kl"
 [trainer]
 backend = "megatron"
-tp = 2
+tp = 1
 pp = 2
 dp = 2
 micro_batch_size = 4
@@ -273,7 +273,7 @@ check_logprobs = true
 [checkpoint]
 interval_steps = 2
 [site]
-ranks_per_node = 9
+ranks_per_node = 5
 """
 
 
@@ -301,8 +301,8 @@ EVAL = ("[data]\n", '[data]\nval_source = "task:reverse"\n'), ("[run]\n", "[run]
 EVAL_TABLE = "[eval]\nmax_prompts = 4\nbatch_size = 2\n"
 
 
-def test_grpo_with_megatron_tp2_pp2_dp2_and_reference_engine(tmp_path: Path) -> None:
-    """... and issue 16's must-show: ``milehpc export`` of the TP=2 x PP=2 checkpoint after step 3 loads in
+def test_grpo_with_megatron_pp2_dp2_and_reference_engine(tmp_path: Path) -> None:
+    """... and issue 16's must-show: ``milehpc export`` of the PP=2 x DP=2 checkpoint after step 3 loads in
     ``transformers`` and greedy-generates the tokens the engine answered in the loop's evaluation of those weights."""
     from test_export import check_export_generates_the_loop_answers
 
@@ -312,7 +312,7 @@ def test_grpo_with_megatron_tp2_pp2_dp2_and_reference_engine(tmp_path: Path) -> 
     rdir, records = _run(tmp_path, text + EVAL_TABLE)
     assert [r["step"] for r in records] == [0, 1, 2]
     first = records[0]
-    assert first["dist/mpi_world_size"] == 9 and first["dist/trainer_world_size"] == 8
+    assert first["dist/mpi_world_size"] == 5 and first["dist/trainer_world_size"] == 4
     for r in records:
         # Engine (HF, weights synced stage by stage through the converter) vs Megatron on the same tokens.
         assert r["train/logprob_diff_max"] <= 1e-5, r
@@ -326,6 +326,6 @@ def test_grpo_with_megatron_tp2_pp2_dp2_and_reference_engine(tmp_path: Path) -> 
     assert sorted(p.name for p in (rdir / "evals").iterdir()) == ["step_00000001.jsonl", "step_00000002.jsonl"]
     record = check_export_generates_the_loop_answers(rdir, 3, tmp_path / "hf")
     assert record["weight_version"] == 3 and record["trainer_backend"] == "megatron", record
-    assert (record["layout"]["tp"], record["layout"]["pp"], record["layout"]["dp"]) == (2, 2, 2), record
+    assert (record["layout"]["tp"], record["layout"]["pp"], record["layout"]["dp"]) == (1, 2, 2), record
     answers = [json.loads(line)["response_ids"] for line in (rdir / "evals" / "step_00000002.jsonl").open()]
     assert len(answers) == 4 and sum(map(len, answers)) > 4, answers  # not 4 immediate EOS: tokens to compare

@@ -1,5 +1,5 @@
 """The RL loop with Megatron trainer ranks resumes from its dist checkpoint bit-exactly, under real mpirun
-(``milehpc run --site local``, then the rendered job script again). Its own file: the parity launch and the 9-rank
+(``milehpc run --site local``, then the rendered job script again). Its own file: the parity launch and the 5-rank
 loop of tests/test_megatron_mpi.py already fill one pytest-xdist worker for minutes (``--dist loadfile``)."""
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def test_loop_resumes_a_megatron_checkpoint_bit_exactly(tmp_path: Path) -> None:
     script again (what `milehpc submit --resume` does): it resumes from the dist checkpoint after step 2, steps 2-3
     run again (their metrics records are the new run's: each step has one) and come out bit-identical, and so does
     the final dist checkpoint, model and optimizer state, tensor by tensor."""
-    text = JOB.replace("pp = 2\ndp = 2", "pp = 1\ndp = 1").replace("steps = 3", "steps = 4")
-    rdir, first = _run(tmp_path, text.replace("ranks_per_node = 9", "ranks_per_node = 3"))
+    text = JOB.replace("tp = 1\npp = 2\ndp = 2", "tp = 2\npp = 1\ndp = 1").replace("steps = 3", "steps = 4")
+    rdir, first = _run(tmp_path, text.replace("ranks_per_node = 5", "ranks_per_node = 3"))
     ckpt = rdir / "checkpoints"
     assert (ckpt / "megatron" / "v00000004").is_dir()
     shutil.rmtree(ckpt / "step-00000004")

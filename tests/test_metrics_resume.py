@@ -23,7 +23,13 @@ def _log(run_dir: Path, steps: range, value: float, *, resume_at: int | None = N
     logger.close()
 
 
-def test_a_resumed_run_rewrites_its_steps_in_jsonl_and_tensorboard(tmp_path: Path) -> None:
+def test_a_resumed_run_rewrites_its_steps_in_jsonl_and_tensorboard(tmp_path: Path, monkeypatch) -> None:
+    # TensorBoard names an event file by its second, then a per-process counter that sorts as text: the lost run's
+    # file ".9" and the resumed run's ".10", written in one second, sorted the resumed one first (seen in CI when
+    # earlier tests of the worker had made nine writers).
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
     _log(tmp_path, range(0, 6), 0.0)  # the lost run: steps 0-5
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 6, "rollout/rew')  # torn by the kill

@@ -63,6 +63,8 @@ class SGLangOptions:
     check_weights_truncate: int = opt(100, min=1, help="elements per tensor read back by named_parameters()")
     health_timeout_s: float = opt(60.0, min=1.0)
     max_restarts: int = opt(3, min=0, help="in-place restarts of a dead engine before the job fails")
+    cpu_memory_gib: float = opt(2.0, min=0.01, help="a CPU engine's memory (weights + KV pool, of which "
+                                "mem_fraction_static), instead of the host's free memory")
     # Built from ``speculative`` by parse_options (a table of its own, validated with its own field names).
     spec: SpeculativeOptions | None = field(default=None, init=False)
 

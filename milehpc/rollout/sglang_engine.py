@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 from milehpc.config.sglang_options import SGLangOptions, parse_options, rl_quantization_args
 from milehpc.errors import ConfigError, RuntimeFailure
 from milehpc.faults import armed
-from milehpc.rollout import sglang_lora
+from milehpc.rollout import sglang_cpu_memory, sglang_lora
 from milehpc.rollout import sglang_mapping as sm
 
 if TYPE_CHECKING:
@@ -67,6 +67,8 @@ if TYPE_CHECKING:
 # SGLang's scheduler imports this module (it unpickles sigquit_handler from the server args): a CPU engine with LoRA
 # has it make host-memory pinning a no-op there before the LoRA layers are built (milehpc.rollout.sglang_lora).
 sglang_lora.unpin_if_asked()
+# ... and it reads a CPU engine's memory budget there, before the model loads (milehpc.rollout.sglang_cpu_memory).
+sglang_cpu_memory.apply_if_asked()
 
 # On a CPU with AMX, sglang 0.5.23 packs the weights for its AMX kernels at load, after which a weight update fails
 # ("'Parameter' object has no attribute 'weight_loader'"), and those kernels take bf16/fp16 only. A CPU engine has
@@ -77,10 +79,11 @@ AMX_OFF_ENV = "MILEHPC_SGLANG_CPU_NO_AMX"
 ENGINE_PORT_BASE = 30000  # + engine index * 16; never served (the Engine API is in-process) but must be free
 
 # The settings the real sglang 0.5.23 engine runs with on a CPU (../shared/notes/sglang-on-cpu.md): no CUDA graphs or
-# flashinfer, one scheduler step at a time, a small KV pool, no warm-up request.
+# flashinfer, one scheduler step at a time, a small KV pool, no warm-up request. The memory fraction is of the engine's
+# explicit budget (rollout.options.cpu_memory_gib; milehpc.rollout.sglang_cpu_memory), not of the host's free memory.
 CPU_SERVER_ARGS: dict[str, Any] = {
     "device": "cpu", "attention_backend": "torch_native", "disable_overlap_schedule": True,
-    "mem_fraction_static": 0.05, "max_total_tokens": 4096, "chunked_prefill_size": -1, "skip_server_warmup": True,
+    "mem_fraction_static": 0.5, "max_total_tokens": 4096, "chunked_prefill_size": -1, "skip_server_warmup": True,
 }
 
 
@@ -299,6 +302,7 @@ class SGLangEngine:
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # else sglang imports vllm for its CPU ops
             require_amx_hook()
             os.environ[AMX_OFF_ENV] = "1"  # read by scripts/sglang_cpu_hook.py in the scheduler (see there)
+            os.environ.update(sglang_cpu_memory.budget_env(self.opts.cpu_memory_gib))  # read by the scheduler
             if self.lora is not None:
                 os.environ[sglang_lora.UNPIN_ENV] = "1"  # read by the scheduler, see sglang_lora.unpin_if_asked
         if self.server_args.get("nnodes", 1) > 1:
@@ -321,7 +325,7 @@ class SGLangEngine:
         except (TypeError, ValueError) as err:
             raise ConfigError(f"SGLang refused the engine arguments: {err}", field="rollout.options") from err
         finally:
-            for name in (sglang_lora.UNPIN_ENV, AMX_OFF_ENV):  # the scheduler has read them; no later child inherits
+            for name in (sglang_lora.UNPIN_ENV, AMX_OFF_ENV, sglang_cpu_memory.MEMORY_ENV):  # the scheduler has read them; no later child inherits
                 os.environ.pop(name, None)
         _report_instead_of_kill(self._engine)
         self._pids = _children() - before

@@ -90,7 +90,13 @@ class TensorBoardLogger:
 
     def continue_from(self, step: int) -> None:
         self.writer.close()
-        # TensorBoard hides this run's events at or after purge_step that an earlier file holds.
+        # TensorBoard reads the event files in name order and hides the events at or after purge_step of the files
+        # read before the one that purges. The name starts with the creation second; within one second it ends with
+        # a per-process counter that sorts as text (".10" before ".9"), so the new file waits for a later second.
+        newest = max((int(p.name.split(".")[3]) for p in self.dir.glob("events.out.tfevents.*")
+                      if p.name.split(".")[3].isdigit()), default=0)
+        while time.time() < newest + 1:
+            time.sleep(0.05)
         self.writer = self._writer(step)
 
     def close(self) -> None:

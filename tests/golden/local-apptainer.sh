@@ -20,6 +20,7 @@ rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request" "$MILEHPC_RUN_DIR/.milehpc/
 # Environment of every rank (site values cite the site's user guide; job [env] last).
 export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=1
+export OMPI_MCA_btl='^ofi'
 export MILEHPC_EXAMPLE="${HOME}/data"
 
 # Rendezvous for torch.distributed: this shell runs on the first node; the port is seeded by the job id so
@@ -38,7 +39,7 @@ milehpc_rank() {
             SLURM_*|PMIX_*|PMI_*|OMPI_*|MILEHPC_*|MASTER_*|*TOKEN*|*KEY*|*SECRET*|*PASSWORD*) export "APPTAINERENV_$v=${!v}" ;;
         esac
     done
-    for v in CUDA_VISIBLE_DEVICES GPU_DEVICE_ORDINAL MILEHPC_EXAMPLE OMP_NUM_THREADS PYTHONUNBUFFERED ROCR_VISIBLE_DEVICES; do
+    for v in CUDA_VISIBLE_DEVICES GPU_DEVICE_ORDINAL MILEHPC_EXAMPLE OMPI_MCA_btl OMP_NUM_THREADS PYTHONUNBUFFERED ROCR_VISIBLE_DEVICES; do
         if [ -n "${!v+x}" ]; then export "APPTAINERENV_$v=${!v}"; fi
     done
     exec apptainer exec --cleanenv --bind /scratch/milehpc/runs/golden /images/milehpc.sif python3 -m milehpc launch "$MILEHPC_RUN_DIR"

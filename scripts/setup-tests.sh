@@ -1,0 +1,49 @@
+#!/bin/bash
+# What the test suite needs on top of scripts/setup.sh (scripts/test.sh runs this first; it returns in about a second
+# when nothing changed since the last run):
+#   * as root on Debian/Ubuntu, the Slurm/munge/PMIx/Open MPI packages of the test Slurm cluster and bubblewrap (the
+#     sandbox for model-written code);
+#   * the test tools (milehpc's `dev` extra) and the example plugin packages in plugins/;
+#   * the real SGLang engine on the CPU (scripts/setup-sglang-cpu.sh: its CPU kernel is built once per machine and
+#     cached under ~/.cache/milehpc/sgl-kernel/).
+# The pip part is skipped while its inputs (pyproject files, these scripts, the kernel source) are unchanged: the
+# hash of them is kept in .venv/.milehpc-test-setup.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || { echo "setup-tests: no .venv here: run bash scripts/setup.sh first" >&2; exit 2; }
+
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    need=()
+    for pkg in slurm-wlm slurmctld slurmd slurm-client munge libpmix-dev openmpi-bin libopenmpi-dev bubblewrap; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+    done
+    if [ "${#need[@]}" -gt 0 ]; then
+        echo "setup-tests: apt-get install ${need[*]}"
+        apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}" >/dev/null
+    fi
+fi
+
+VENDOR="${MILEHPC_SGL_KERNEL_SRC:-../shared/vendor/sglang-kernel-cpu}"
+stamp=.venv/.milehpc-test-setup
+key="$( { cat pyproject.toml plugins/*/pyproject.toml scripts/setup-tests.sh scripts/setup-sglang-cpu.sh \
+              scripts/sglang-cpu-requirements.txt scripts/sglang_cpu_hook.py scripts/sglang_kernel_portable.py
+          if [ -d "$VENDOR" ]; then find "$VENDOR" -type f ! -path '*/build/*' -printf '%P %s %T@\n' | sort; fi; } \
+        | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" = "$key" ]; then
+    exit 0
+fi
+rm -f "$stamp"
+# The dev extra's requirements straight from pyproject.toml: `pip install -e .[dev]` would rebuild milehpc's editable
+# wheel for nothing.
+.venv/bin/python - > .venv/.milehpc-dev-requirements.txt <<'PYEOF'
+import tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["dev"]))
+PYEOF
+.venv/bin/python -m pip install -q -r .venv/.milehpc-dev-requirements.txt
+for plugin in plugins/*/; do
+    .venv/bin/python -m pip install -q -e "$plugin"
+done
+bash scripts/setup-sglang-cpu.sh
+echo "$key" > "$stamp"
+echo "setup-tests: done"
