@@ -1,5 +1,6 @@
-"""Shared by the checkpoint tests that run real jobs (tests/test_ckpt_resume_mpi.py, tests/test_ckpt_slurm.py):
-the job, its reward (optionally slowed down so that a wall-time signal lands mid-run), reading final parameters.
+"""Shared by the tests that run the real RL job (tests/test_ckpt_*.py, tests/test_stop_loop.py,
+tests/test_slurm_stop.py): the job, its reward (optionally slowed down so that a signal or stop lands mid-run),
+reading final parameters.
 The ranks import this module (PYTHONPATH = tests/) for the reward."""
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ def slow_toy_match(samples: list[Any], partial: float = 1.0) -> list[float]:
     """The toy tasks' reward with partial credit (rewards differ within a group, so every step trains), after
     sleeping ``MILEHPC_TEST_REWARD_DELAY`` seconds once per batch: a step then takes about that long, whatever
     the machine's load, and the parameters do not depend on it. A requeued Slurm job (SLURM_RESTART_COUNT > 0)
-    does not sleep: only the first run has to outlast the wall-time signal."""
+    does not sleep: only the first run has to outlast the wall-time signal. With
+    ``MILEHPC_TEST_REWARD_DELAY_WHILE=PATH`` it sleeps only while that file exists: a test that stopped the run
+    deletes it, and the resumed run goes at full speed."""
     from milehpc.data.tasks import toy_match
 
     delay = float(os.environ.get("MILEHPC_TEST_REWARD_DELAY", "0") or 0)
-    if delay and os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0"):
+    marker = os.environ.get("MILEHPC_TEST_REWARD_DELAY_WHILE")
+    if delay and os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0") and (not marker or os.path.exists(marker)):
         time.sleep(delay)
     return [toy_match(s, partial) for s in samples]
 

@@ -1,12 +1,14 @@
 """The uninterrupted reference runs of the checkpoint tests, one per loop mode, made once per test session.
 
-tests/test_ckpt_resume_mpi.py (USR1/TERM) and tests/test_ckpt_interrupt_kill.py (SIGKILL) both compare an
-interrupted run with an uninterrupted run of the same job. A launch costs seconds of imports per rank, so each
-reference is run once and shared: under pytest-xdist the two files run on different workers, which meet in the
-session's temporary root (a file lock per case: one worker runs it, another that needs it waits for it).
+tests/test_ckpt_resume_mpi.py (USR1/TERM), tests/test_ckpt_interrupt_kill.py (SIGKILL) and
+tests/test_ckpt_engine_supervisor.py (a killed engine process; separate-sync) compare an interrupted run with an
+uninterrupted run of the same job. A launch costs seconds of imports per rank, so each reference is run once and
+shared: under pytest-xdist the files run on different workers, which meet in the session's temporary root (a file
+lock per case: one worker runs it, another that needs it waits for it).
 
-The reference checkpoints only at the end; the interrupted jobs differ from it in their ``[checkpoint]`` table alone,
-which must not change the training (that is part of what the tests assert)."""
+The reference checkpoints only at the end; the interrupted jobs differ from it in their ``[checkpoint]`` table alone
+(and the supervisor test in its engine's process), which must not change the training (that is part of what the
+tests assert)."""
 
 from __future__ import annotations
 

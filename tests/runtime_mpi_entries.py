@@ -79,6 +79,7 @@ def _groups(ctx: Any) -> dict[str, Any]:
     """Report the split and the groups, and prove the torch groups work (all-reduce / broadcast)."""
     import torch
     import torch.distributed as dist
+    from mpi4py import MPI
 
     comms, plan = ctx.comms, ctx.plan
     data: dict[str, Any] = {
@@ -86,6 +87,9 @@ def _groups(ctx: Any) -> dict[str, Any]:
         "rollout": _size(comms.rollout), "engine": _size(comms.engine), "device": str(comms.device),
         "backend": comms.backend, "restart_count": ctx.restart_count,
         "sync": {str(s): g.ranks for s, g in comms.sync_groups.items()},
+        # one world over COMM_WORLD itself, and which MPI and launcher task it is (srun: SLURM_PROCID)
+        "world_sum": comms.world.allreduce(comms.rank, op=MPI.SUM),
+        "library": MPI.Get_library_version().split(",")[0], "procid": int(os.environ.get("SLURM_PROCID", "-1")),
     }
     if comms.is_trainer:
         t = torch.tensor([float(comms.rank + 1)])
@@ -187,7 +191,10 @@ def hang(ctx: Any) -> None:
 
 
 def stuck(ctx: Any) -> None:
-    """Rank 1 never arrives at the barrier (alive but stuck): the others must time out naming it."""
+    """A weight sync to every rollout rank first (:func:`sync`, reported); then rank 1 never arrives at the barrier
+    (alive but stuck): the others must time out naming it."""
+    sync(ctx)
+    ctx.comms.barrier(what="after the weight sync")  # the 3 s below start together
     if ctx.comms.rank == 1:
         time.sleep(600)
     ctx.comms.barrier(what="test barrier", timeout=3)

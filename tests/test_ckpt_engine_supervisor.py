@@ -107,19 +107,20 @@ def test_an_engine_that_keeps_dying_ends_the_run_in_one_line(job: JobSpec) -> No
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_engine_killed_during_a_real_run_is_recovered_and_the_run_is_unchanged(tmp_path) -> None:
+def test_engine_killed_during_a_real_run_is_recovered_and_the_run_is_unchanged(tmp_path, ckpt_reference) -> None:
     """`rollout.engine = "reference_process"` under mpirun (1 trainer + 1 rollout rank): the engine's child process
-    is SIGKILLed mid-run; the run goes on and ends with the same parameters as a run with the in-process engine."""
+    is SIGKILLed mid-run; the run goes on and ends with the same parameters as a run with the in-process engine
+    (the checkpoint tests' shared uninterrupted run of the same job, tests/ckpt_reference.py)."""
     import time
 
     import psutil
-    from ckpt_helpers import differences, final_state, job_toml, prepare_local, start_script
+    from ckpt_helpers import differences, final_state, prepare_local, start_script
+    from ckpt_reference import STEPS, case_toml
 
-    steps = 12
-    ref_dir = prepare_local(tmp_path, "in_process", job_toml(steps))
-    run_dir = prepare_local(tmp_path, "supervised", job_toml(steps, env={"MILEHPC_TEST_REWARD_DELAY": "0.2"})
+    run_dir = prepare_local(tmp_path, "supervised",
+                            case_toml("separate-sync", env={"MILEHPC_TEST_REWARD_DELAY": "0.2"})
                             .replace('[rollout]\n', '[rollout]\nengine = "reference_process"\n'))
-    ref, job = start_script(ref_dir), start_script(run_dir)
+    ref, job = ckpt_reference("separate-sync").start(), start_script(run_dir)
     log = run_dir / "logs" / "job.out"
 
     def engine_children() -> list[psutil.Process]:
@@ -147,8 +148,7 @@ def test_engine_killed_during_a_real_run_is_recovered_and_the_run_is_unchanged(t
             job.kill()
     text = log.read_text()
     assert f"engine process {child.pid} died during" in text and "restarting it in place (restart 1)" in text, text
-    assert ref.wait(timeout=400) == 0
-    different = differences(final_state(ref_dir, steps), final_state(run_dir, steps))
+    different = differences(ref.state(), final_state(run_dir, STEPS))
     assert not different, different[:5]
 
 

@@ -2,11 +2,13 @@
 as in the shipped examples: a generated, untrained batch is in flight at every checkpoint) has a 2-minute time
 limit and `--signal=B:USR1@60`. Slurm signals the batch shell mid-run, the ranks checkpoint and exit 75, the script
 requeues the job, the restarted job resumes from the checkpoint (again if signalled again) and finishes; the final
-parameters and optimizer state are bitwise equal to an uninterrupted local (mpirun) run of the same job.
+parameters and optimizer state are bitwise equal to an uninterrupted local (mpirun) run of the same job, and every
+step has exactly one metrics record (nothing lost or counted twice over the requeues).
 
 In the first run each step sleeps 3 s in the reward (tests/ckpt_helpers.py), so 24 steps outlast the signal, which
-arrives 30-60 s into the run (up to one 30 s slurmctld pass before limit - lead; see tests/test_slurm_requeue.py);
-the 2-minute limit leaves room for a slow start on a loaded machine. Restarted runs do not sleep."""
+arrives 30-60 s into the run (Slurm sends it up to one 30 s slurmctld pass before limit - lead;
+tests/cluster/README.md); the 2-minute limit leaves room for a slow start on a loaded machine. Restarted runs do not
+sleep."""
 
 from __future__ import annotations
 
@@ -58,10 +60,6 @@ def _wait_releasing_late(job_id: str, *, timeout: float) -> list:
 
 def test_time_limit_signal_checkpoints_requeues_resumes_and_matches_local_run(cli, tmp_path: Path) -> None:
     extra = "[checkpoint]\nsignal_lead_s = 60\nmax_restarts = 4\nkeep = 2\n"
-    # The uninterrupted run first (locally, mpirun, no delay), so it does not slow down the Slurm job's ranks.
-    ref_dir = prepare_local(tmp_path, "uninterrupted", job_toml(STEPS, add=ONE_STEP_OFF, extra=extra))
-    assert start_script(ref_dir).wait(timeout=400) == 0, (ref_dir / "logs" / "job.out").read_text()[-3000:]
-
     job = tmp_path / "job.toml"
     job.write_text(job_toml(STEPS, add=ONE_STEP_OFF, extra=extra, env={"MILEHPC_TEST_REWARD_DELAY": str(DELAY)},
                             time_limit="00:02:00"))
@@ -69,17 +67,32 @@ def test_time_limit_signal_checkpoints_requeues_resumes_and_matches_local_run(cl
     script = cli("render", str(job), "--site", "local-slurm", "--run-dir", str(run_dir)).stdout
     assert "#SBATCH --signal=B:USR1@60" in script and "#SBATCH --requeue" in script
     job_id = cli.submit(job, run_dir)["job_id"]
-    sts = _wait_releasing_late(job_id, timeout=600)
+    # The uninterrupted run (locally, mpirun, no delay) beside it: the Slurm job's ranks mostly sleep in the reward.
+    ref_dir = prepare_local(tmp_path, "uninterrupted", job_toml(STEPS, add=ONE_STEP_OFF, extra=extra))
+    ref = start_script(ref_dir)
+    try:
+        sts = _wait_releasing_late(job_id, timeout=600)
+        assert ref.wait(timeout=400) == 0, (ref_dir / "logs" / "job.out").read_text()[-3000:]
+    finally:
+        if ref.poll() is None:
+            ref.kill()
     log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text(errors="replace")
     assert [s.state for s in sts] == ["COMPLETED"], log[-4000:]
     restarts = int(harness.scontrol_show(job_id)["Restarts"])
     assert restarts >= 1, log[-4000:]
+    [st] = cli.status(job_id)  # milehpc's own status reports the requeues
+    assert st["state"] == "COMPLETED" and st["restarts"] == restarts, st
     assert "milehpc: signal received, asking the ranks to checkpoint" in log
     assert "ranks checkpointed; requeueing (restart 1 of 4)" in log
+    assert f"milehpc: job {job_id} restart 1" in log  # the restarted job knows it is one
     assert log.count("milehpc: resumed from ") == restarts, log[-4000:]  # every restart resumed
     done = json.loads((run_dir / ".milehpc" / "checkpointed").read_text())
     assert 0 < done["step"] < STEPS and done["restart_count"] == restarts - 1
+    assert f"(step {done['step']}, restart {restarts}" in log, log[-4000:]  # the last run from the last checkpoint
     assert not (run_dir / ".milehpc" / "checkpoint-request").exists()
+    # one record per step, in order: no step lost or counted twice over the requeues
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(STEPS))
 
     different = differences(final_state(ref_dir, STEPS), final_state(run_dir, STEPS))
     assert not different, f"{restarts} restart(s): {different[:5]}"

@@ -124,20 +124,6 @@ def test_split_groups_and_bucketed_sync_pp2(tmp_path: Path) -> None:
     assert out[3]["tolerant"] is True
 
 
-@pytest.mark.slow
-def test_sync_to_three_rollout_ranks(tmp_path: Path) -> None:
-    """One trainer rank, three single-rank engines: one weight-sync group of 4, bit-exact on all three."""
-    run = write_run_dir(tmp_path / "run", {"rollout": {"engines": 3}, "resources": {"collective_timeout_s": 60}})
-    proc, _ = mpirun(run, "sync", env={"TEST_BUCKET_BYTES": str(32 * 1024)})
-    ok(proc)
-    out = outputs(run)
-    assert out[0]["group_versions"] == {"0": 2}
-    for rollout in out[1:]:
-        assert rollout["bit_exact"] and rollout["checked"] == 324 and rollout["version"] == 2
-        assert not rollout["checks"]["corrupted/0"]["ok"]
-        assert rollout["checks"]["corrupted/0"]["worst"][:2] == ["layers.7.mlp.fc1.weight", 3]
-
-
 def test_colocated_layout_in_place(tmp_path: Path) -> None:
     """Colocated TP=2 x DP=2: every rank is both roles, the default group is the whole world, engines of 2 ranks,
     no weight-sync groups; the weights go into the engine in place."""
@@ -160,34 +146,34 @@ def _assert_ended_naming(proc: subprocess.CompletedProcess[str], needle: str, ra
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("flags", [("--with-ft", "ulfm"), pytest.param((), marks=pytest.mark.slow)],
-                         ids=["survivors-ulfm", "default-mpirun"])
-def test_killed_rank_is_named_within_timeout(tmp_path: Path, flags: tuple[str, ...]) -> None:
-    """Rank 2 is SIGKILLed while the others wait for it in a weight sync. With ULFM the launcher keeps the others
-    alive, so milehpc alone must end them; either way: non-zero exit, 'rank 2 ... gone', well within the timeout."""
-    if flags:
-        needs_ulfm()
+@pytest.mark.slow
+def test_killed_rank_is_named_within_timeout(tmp_path: Path) -> None:
+    """Rank 2 is SIGKILLed while the others wait for it in a weight sync, under plain mpirun: non-zero exit, rank 2
+    named, well within the timeout. (With ULFM, where milehpc alone must end the survivors:
+    test_rank_dying_in_native_code_says_where, and under srun tests/test_runtime_slurm.py with SIGKILL.)"""
     timeout = 20
     run = write_run_dir(tmp_path / "run", {"trainer": {"pp": 2}, "rollout": {"engines": 2},
                                            "resources": {"collective_timeout_s": timeout}})
-    proc, _ = mpirun(run, "die", flags=flags)
-    if flags:
-        _assert_ended_naming(proc, "gone", 2)
-    else:  # plain mpirun kills the survivors itself as soon as it sees the death; it may beat milehpc's message
-        assert proc.returncode != 0
-        assert ("process rank 2 with PID" in proc.stderr or "rank 2 (pid" in proc.stderr), proc.stderr[-3000:]
+    proc, _ = mpirun(run, "die")
+    # plain mpirun kills the survivors itself as soon as it sees the death; it may beat milehpc's message
+    assert proc.returncode != 0
+    assert ("process rank 2 with PID" in proc.stderr or "rank 2 (pid" in proc.stderr), proc.stderr[-3000:]
     killed_at = json.loads((run / "out" / "rank-2.json").read_text())["started"] + 0.5
     assert time.time() - killed_at < timeout + 10  # ended by milehpc, not by the test's own timeout
 
 
 def test_rank_dying_in_native_code_says_where(tmp_path: Path) -> None:
-    """A segfault leaves no Python traceback: the rank's fault handler prints its stack into the job's log, and
-    the others still end naming it."""
+    """Rank 2 dies of a segfault while the others wait for it in a weight sync. With ULFM the launcher keeps the
+    others alive, so milehpc alone must end them: non-zero exit, 'rank 2 ... gone', well within the timeout. A
+    segfault leaves no Python traceback: the rank's fault handler prints its stack into the job's log."""
     needs_ulfm()
+    timeout = 20
     run = write_run_dir(tmp_path / "run", {"trainer": {"pp": 2}, "rollout": {"engines": 2},
-                                           "resources": {"collective_timeout_s": 20}})
+                                           "resources": {"collective_timeout_s": timeout}})
     proc, _ = mpirun(run, "die", flags=("--with-ft", "ulfm"), env={"MILEHPC_TEST_DIE_SIGNAL": "SIGSEGV"})
     _assert_ended_naming(proc, "gone", 2)
+    killed_at = json.loads((run / "out" / "rank-2.json").read_text())["started"] + 0.5
+    assert time.time() - killed_at < timeout + 10  # ended by milehpc, not by the test's own timeout
     assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr[-3000:]
     assert re.search(r'File ".*runtime_mpi_entries\.py", line \d+ in die', proc.stderr), proc.stderr[-3000:]
 
@@ -203,19 +189,27 @@ def test_frozen_rank_is_found_by_heartbeat(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_stuck_rank_is_named_by_the_barrier_timeout(tmp_path: Path) -> None:
+def test_sync_to_three_rollout_ranks_then_a_stuck_rank_is_named_by_the_barrier_timeout(tmp_path: Path) -> None:
+    """One trainer rank, three single-rank engines: one weight-sync group of 4, bit-exact on all three (32 KiB
+    buckets). Then rank 1 never arrives at a barrier: the others end naming it (one launch for both: CI time)."""
     run = write_run_dir(tmp_path / "run", {"rollout": {"engines": 3}, "resources": {"collective_timeout_s": 60}})
-    proc, _ = mpirun(run, "stuck")
+    proc, _ = mpirun(run, "stuck", env={"TEST_BUCKET_BYTES": str(32 * 1024)})
+    out = outputs(run)
+    assert out[0]["group_versions"] == {"0": 2}
+    for rollout in out[1:]:
+        assert rollout["bit_exact"] and rollout["checked"] == 324 and rollout["version"] == 2
+        assert not rollout["checks"]["corrupted/0"]["ok"]
+        assert rollout["checks"]["corrupted/0"]["worst"][:2] == ["layers.7.mlp.fc1.weight", 3]
     _assert_ended_naming(proc, "did not arrive within 3 s", 1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("slow_rank0", ["", "1.5"], ids=["plain", "slow-rank0-watchdog"])
-def test_crashing_rank_ends_the_others_with_its_error(tmp_path: Path, slow_rank0: str) -> None:
-    """Also when rank 0 takes the notice late (as under load): the crashing rank waits until rank 0 repeated it."""
+def test_crashing_rank_ends_the_others_with_its_error(tmp_path: Path) -> None:
+    """Also when rank 0 takes the notice late, as under load (its watchdog made 1.5 s slow; the plain case is the
+    same run without the delay): the crashing rank waits until rank 0 repeated it."""
     needs_ulfm()
     run = write_run_dir(tmp_path / "run", {"rollout": {"engines": 3}, "resources": {"collective_timeout_s": 60}})
-    proc, _ = mpirun(run, "crash", flags=("--with-ft", "ulfm"), env={"MILEHPC_TEST_SLOW_RANK0": slow_rank0})
+    proc, _ = mpirun(run, "crash", flags=("--with-ft", "ulfm"), env={"MILEHPC_TEST_SLOW_RANK0": "1.5"})
     assert proc.returncode != 0
     assert "ValueError: deliberate failure in the test entry" in proc.stderr
     # rank 0 (alive, waiting in the barrier) repeats rank 3's error: it did not just vanish.

@@ -1,6 +1,8 @@
-"""The job runtime under ``srun --mpi=pmix`` on the test Slurm cluster (tests/cluster/slurm.sh): the same split,
-groups and bit-exact weight sync as under mpirun, and a killed rank named by the survivors — under srun nothing
-else ends them (Slurm keeps the other tasks running), so this is milehpc's watchdog at work."""
+"""The job runtime under ``srun --mpi=pmix`` on the test Slurm cluster (tests/cluster/slurm.sh): 4 mpi4py ranks in
+one world through milehpc's own launch line (the rendered local-slurm script: srun --mpi=pmix ... milehpc launch
+RUN_DIR) with the same split, groups and bit-exact weight sync as under mpirun, and a killed rank named by the
+survivors — under srun nothing else ends them (Slurm keeps the other tasks running), so this is milehpc's watchdog at
+work."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "cluster"))
-from harness import ensure_cluster  # noqa: E402
+from harness import ensure_cluster, wait_for  # noqa: E402
 from required import unavailable  # noqa: E402
 from test_runtime_mpi import TESTS, VENV_BIN, outputs, write_run_dir  # noqa: E402
 
@@ -36,13 +38,31 @@ def srun(run_dir: Path, entry: str, *, n: int = 4, timeout: float = 240) -> subp
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def test_srun_pmix_split_groups_and_sync(tmp_path: Path) -> None:
-    run = write_run_dir(tmp_path / "run", {"trainer": {"pp": 2}, "rollout": {"engines": 2},
-                                           "resources": {"collective_timeout_s": 60}})
-    proc = srun(run, "groups_and_sync")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+@pytest.mark.slow  # 4 ranks each import torch for milehpc's launch
+def test_srun_pmix_split_groups_and_sync(cli, tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(f'''name = "pmix4"
+[trainer]
+pp = 2
+[rollout]
+engines = 2
+[resources]
+collective_timeout_s = 60
+time = "00:05:00"
+[env]
+MILEHPC_TEST_ENTRY = "runtime_mpi_entries:groups_and_sync"
+PYTHONPATH = "{TESTS}"
+''')
+    run = tmp_path / "run"
+    script = cli("render", str(job), "--site", "local-slurm", "--run-dir", str(run)).stdout
+    assert "srun --mpi=pmix --nodes=1 --ntasks=4" in script and "-m milehpc launch" in script
+    job_id = cli.submit(job, run)["job_id"]
+    [st] = wait_for(job_id, timeout=240)
+    assert st.state == "COMPLETED", (run / "logs" / f"slurm-{job_id}.out").read_text()[-4000:]
     out = outputs(run)
     assert [o["size"] for o in out] == [4, 4, 4, 4]  # one world, not 4 worlds of 1
+    assert [o["world_sum"] for o in out] == [0 + 1 + 2 + 3] * 4
+    assert sorted(o["procid"] for o in out) == [0, 1, 2, 3] and all(o["library"].startswith("Open MPI") for o in out)
     assert [o["role"] for o in out] == ["trainer", "trainer", "rollout", "rollout"]
     assert [o.get("dist_world") for o in out] == [2, 2, None, None]
     assert all(o["bit_exact"] and o["version"] == 2 for o in out[2:])

@@ -1,7 +1,8 @@
-"""Issue 12: the README's CPU demo with the REAL sglang engine as its rollout engine learns (exact-match from <= 0.3
-to >= 0.8; run.target_reward ends it there) under real mpirun, 1 SGLang rollout rank + 1 trainer rank: every step's
-weights reach SGLang's scheduler through its own update group. About 5 minutes on an idle 2-core machine: SGLang's CPU
-attention (torch_native) is ~5x slower per step than the reference engine."""
+"""Issue 12: the README's CPU demo with the REAL sglang engine as its rollout engine learns under real mpirun, 1 SGLang
+rollout rank + 1 trainer rank: every step's weights reach SGLang's scheduler through its own update group. Run to 0.5
+instead of the README's 0.8 (CI time): measured 0.18 -> 0.5 in 109 steps, 0.8 in 282; an engine left on its first
+weights (a broken sync) stays near its start, ~0.2. SGLang's CPU attention (torch_native) is ~5x slower per step
+than the reference engine."""
 
 from __future__ import annotations
 
@@ -12,16 +13,20 @@ import pytest
 from readme_demo import learned, run_readme_demo
 from sglang_real import require_real_sglang
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slow(minutes=5), pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.mpi, pytest.mark.slow(minutes=2), pytest.mark.timeout(1500)]
+
+TARGET = 0.5
+STEPS = 400  # ~3.7x the steps to TARGET measured: a run that stops learning fails here, not at the timeout
 
 
 def test_the_readmes_sglang_demo_command_learns(tmp_path: Path) -> None:
     require_real_sglang()
-    records, run_dir = run_readme_demo(tmp_path, 'rollout.engine="sglang"')
+    records, run_dir = run_readme_demo(tmp_path, 'rollout.engine="sglang"', "--set", f"run.target_reward={TARGET}",
+                                       "--set", f"run.steps={STEPS}")
     start, end = learned(records)
-    assert start <= 0.3 and end >= 0.8 and len(records) < 1500, (start, end, len(records))
+    assert start <= 0.3 and end >= TARGET and len(records) < STEPS, (start, end, len(records))
     job = json.loads((run_dir / "job.json").read_text())
-    assert job["rollout"]["engine"] == "sglang"
+    assert job["rollout"]["engine"] == "sglang" and job["run"]["target_reward"] == TARGET
     assert json.loads((run_dir / "plan.json").read_text())["world_size"] == 2
     assert all(r["rollout/engine_restarts"] == 0 for r in records)
     from milehpc.samples.dumps import read_rollouts

@@ -1,6 +1,6 @@
 """The job lifecycle against the real test Slurm cluster (tests/cluster/slurm.sh): submit -> COMPLETED with the
-expected output, status/logs/cancel on a real job, a sweep as a job array behind a real dependency, and 4 mpi4py
-ranks in one world through milehpc's own launch line (srun --mpi=pmix ... milehpc launch RUN_DIR)."""
+expected output, status/logs/cancel on a real job, a sweep as a job array behind a real dependency. (4 mpi4py ranks
+in one world through milehpc's own launch line: tests/test_runtime_slurm.py.)"""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import harness  # noqa: E402
 pytestmark = pytest.mark.slurm
 
 
+@pytest.mark.smoke  # the quick tier's job through the test Slurm cluster (scripts/test.sh --quick)
 def test_submit_runs_to_completion_with_expected_output(cli, tmp_path):
     job = harness.write_job(tmp_path / "job.toml", "hello")
     run_dir = tmp_path / "run"
@@ -131,23 +132,6 @@ def test_sweep_that_changes_the_request_is_refused(cli, tmp_path):
                "--sweep", "trainer.dp=1,2", "--set", "resources.colocate=false", check=False)
     assert proc.returncode == 2 and "changes the Slurm request" in proc.stderr and "--ntasks" in proc.stderr
     assert not (tmp_path / "s").exists()
-
-
-@pytest.mark.mpi
-@pytest.mark.slow  # 4 ranks each import torch for milehpc's launch: ~30 s on 2 idle cores
-def test_four_mpi4py_ranks_in_one_world_under_srun_pmix(cli, tmp_path):
-    job = harness.write_job(tmp_path / "job.toml", "mpi_world", name="mpi4",
-                            extra="[trainer]\ndp = 4\n[rollout]\nengines = 4\n")
-    run_dir = tmp_path / "run"
-    script = cli("render", str(job), "--site", "local-slurm", "--run-dir", str(run_dir)).stdout
-    assert "srun --mpi=pmix --nodes=1 --ntasks=4" in script and "-m milehpc launch" in script
-    job_id = cli.submit(job, run_dir)["job_id"]
-    sts = harness.wait_for(job_id, timeout=240)
-    log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
-    assert sts[0].state == "COMPLETED", log
-    out = json.loads((run_dir / "out" / "mpi.json").read_text())
-    assert out["size"] == 4 and out["sum"] == 0 + 1 + 2 + 3 and out["procids"] == [0, 1, 2, 3], out
-    assert out["library"].startswith("Open MPI")
 
 
 def test_status_falls_back_from_squeue_to_sacct_to_scontrol(cli, tmp_path):

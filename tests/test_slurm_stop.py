@@ -43,15 +43,20 @@ def _steps(run_dir: Path) -> list[int]:
     return [int(line.split()[0]) for line in (run_dir / "out" / "steps.txt").read_text().splitlines()]
 
 
-def _assert_checkpointed_and_resumable(cli: Any, run_dir: Path) -> None:
-    """A complete checkpoint (the cursor after the step the ranks finished), no request left behind, and a resumed
-    submission that continues from it: every step exactly once."""
+def _assert_checkpointed(run_dir: Path) -> int:
+    """A complete checkpoint (the cursor after the step the ranks finished) and no request left behind; returns
+    the cursor."""
     done = json.loads((run_dir / ".milehpc" / "checkpointed").read_text())
     cursor = json.loads((run_dir / "out" / "state.json").read_text())["next"]
     assert done["step"] == cursor == len(_steps(run_dir)), (done, cursor, _steps(run_dir))
     assert not (run_dir / ".milehpc" / "checkpoint-request").exists()
     assert not (run_dir / ".milehpc" / "stop-request").exists()
+    return cursor
 
+
+def _assert_checkpointed_and_resumable(cli: Any, run_dir: Path) -> None:
+    """:func:`_assert_checkpointed`, and a resumed submission that continues from it: every step exactly once."""
+    cursor = _assert_checkpointed(run_dir)
     res = json.loads(cli("submit", "--resume", str(run_dir), "--site", "local-slurm", "--json").stdout)
     cli.submitted.append(res["job_id"])
     [st] = harness.wait_for(res["job_id"], timeout=180)
@@ -94,18 +99,23 @@ def test_scancel_lets_the_ranks_checkpoint_before_kill_wait(cli, tmp_path: Path)
     assert st.state == "CANCELLED", log
     assert "payload count: checkpoint request after step" in log, log  # the ranks were not killed by TERM
     assert "the job is ending (COMPLETING: scancel?), not requeueing it; resume with: milehpc submit --resume" in log
-    _assert_checkpointed_and_resumable(cli, run_dir)
+    # Its resume is not run again here: the RL loop's scancel test below resumes after a scancel.
+    _assert_checkpointed(run_dir)
 
 
 def test_scancel_of_the_rl_loop_leaves_a_checkpoint_that_resume_continues(cli, tmp_path: Path) -> None:
-    """The same with the real loop (1 trainer + 1 rollout rank under srun --mpi=pmix, 1 s per step)."""
+    """The same with the real loop (1 trainer + 1 rollout rank under srun --mpi=pmix, 1 s per step until the
+    scancel; the resumed run does not sleep)."""
     from ckpt_helpers import job_toml
 
     from milehpc.checkpoint import list_checkpoints
 
     steps = 12
+    slow = tmp_path / "slow"
+    slow.touch()
     job = tmp_path / "job.toml"
-    job.write_text(job_toml(steps, env={"MILEHPC_TEST_REWARD_DELAY": "1"}, time_limit="00:10:00"))
+    job.write_text(job_toml(steps, env={"MILEHPC_TEST_REWARD_DELAY": "1", "MILEHPC_TEST_REWARD_DELAY_WHILE": str(slow)},
+                            time_limit="00:10:00"))
     run_dir = tmp_path / "run"
     job_id = cli.submit(job, run_dir)["job_id"]
     metrics = run_dir / "metrics.jsonl"
@@ -117,7 +127,8 @@ def test_scancel_of_the_rl_loop_leaves_a_checkpoint_that_resume_continues(cli, t
     cli("cancel", job_id)
     [st] = harness.wait_for(job_id, timeout=120)
     log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text(errors="replace")
-    assert st.state == "CANCELLED" and "not requeueing it" in log, log[-3000:]
+    assert st.state == "CANCELLED" and "(COMPLETING: scancel?), not requeueing it" in log, log[-3000:]
+    slow.unlink()
     stopped = json.loads((run_dir / ".milehpc" / "checkpointed").read_text())["step"]
     assert 2 <= stopped < steps and list_checkpoints(run_dir / "checkpoints")[0].step == stopped
 
@@ -127,3 +138,4 @@ def test_scancel_of_the_rl_loop_leaves_a_checkpoint_that_resume_continues(cli, t
     log = (run_dir / "logs" / f"slurm-{res['job_id']}.out").read_text(errors="replace")
     assert st.state == "COMPLETED" and f"(step {stopped}, restart 0" in log, log[-3000:]
     assert list_checkpoints(run_dir / "checkpoints")[0].step == steps
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(steps))  # each once

@@ -34,21 +34,6 @@ def hello(ctx: Any) -> None:
         "lr": ctx.job.trainer.lr}))
 
 
-def mpi_world(ctx: Any) -> None:
-    """One MPI world of the expected size: an allreduce over COMM_WORLD sums every rank's id."""
-    from mpi4py import MPI
-
-    world = ctx.comms.world
-    size = world.Get_size()
-    total = world.allreduce(ctx.comms.rank, op=MPI.SUM)
-    if ctx.comms.rank == 0:
-        (_out(ctx) / "mpi.json").write_text(json.dumps({
-            "size": size, "sum": total, "library": MPI.Get_library_version().split(",")[0],
-            "procids": sorted(world.allgather(int(os.environ.get("SLURM_PROCID", "-1"))))}))
-    else:
-        world.allgather(int(os.environ.get("SLURM_PROCID", "-1")))
-
-
 def sleep(ctx: Any) -> None:
     """Runs until cancelled (at most 5 minutes), printing a heartbeat."""
     for i in range(600):
