@@ -28,7 +28,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 # The quick tier (`bash scripts/test.sh --quick`, under 5 minutes on 2 cores): every test that launches no MPI job,
 # uses no Slurm cluster and is not slow (unit, config, render and the real-package contract tests), plus the tests
-# marked `smoke` (one end-to-end launch of the RL loop). CI runs everything.
+# marked `smoke` (the RL loop under mpirun, a job through the test Slurm cluster). CI runs everything.
 NOT_QUICK = ("slow", "mpi", "slurm")
 
 

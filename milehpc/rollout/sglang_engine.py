@@ -325,7 +325,8 @@ class SGLangEngine:
         except (TypeError, ValueError) as err:
             raise ConfigError(f"SGLang refused the engine arguments: {err}", field="rollout.options") from err
         finally:
-            for name in (sglang_lora.UNPIN_ENV, AMX_OFF_ENV, sglang_cpu_memory.MEMORY_ENV):  # the scheduler has read them; no later child inherits
+            # The scheduler has read them; no later child inherits them.
+            for name in (sglang_lora.UNPIN_ENV, AMX_OFF_ENV, sglang_cpu_memory.MEMORY_ENV):
                 os.environ.pop(name, None)
         _report_instead_of_kill(self._engine)
         self._pids = _children() - before

@@ -93,10 +93,9 @@ class TensorBoardLogger:
         # TensorBoard reads the event files in name order and hides the events at or after purge_step of the files
         # read before the one that purges. The name starts with the creation second; within one second it ends with
         # a per-process counter that sorts as text (".10" before ".9"), so the new file waits for a later second.
-        newest = max((int(p.name.split(".")[3]) for p in self.dir.glob("events.out.tfevents.*")
-                      if p.name.split(".")[3].isdigit()), default=0)
-        while time.time() < newest + 1:
-            time.sleep(0.05)
+        seconds = (p.name.split(".")[3] for p in self.dir.glob("events.out.tfevents.*"))
+        newest = max((int(s) for s in seconds if s.isdigit()), default=0)
+        time.sleep(max(0.0, newest + 1 - time.time()))
         self.writer = self._writer(step)
 
     def close(self) -> None:
