@@ -144,7 +144,9 @@ class Doctor:
         self.check_modules(part)
         self.check_container(part, job)
         self.check_versions()
+        self.check_gpu_stack()
         if job is not None:
+            self.check_site_rules(job, part)
             self.check_memory(job, site, part, part_name)
         return self.findings
 
@@ -161,6 +163,31 @@ class Doctor:
             warning = version_warning(dist, tested)
             if warning:
                 self.add(dist, WARN, warning)
+
+    def check_gpu_stack(self) -> None:
+        """One line: each GPU-path library's installed version against the tested one (package metadata only).
+        The ones that differ also get their own warning (:meth:`check_versions`)."""
+        from milehpc.config.tested_versions import gpu_stack
+
+        parts = []
+        for dist, have, tested in gpu_stack():
+            if have is None:
+                if tested is not None:  # torch is always there; vllm only where its engine is installed
+                    parts.append(f"{dist} not installed (tested {tested})")
+            elif tested is None:
+                parts.append(f"{dist} {have}")
+            else:
+                parts.append(f"{dist} {have} ({'tested' if have == tested else f'tested {tested}'})")
+        self.add("gpu-stack", OK, ", ".join(parts))
+
+    def check_site_rules(self, job: Any, part: Any) -> None:
+        """What the partition's GPUs or its container cannot run (milehpc.config.rules.SITE_RULES), as submit says."""
+        from milehpc.config.rules import check_site_rules
+
+        try:
+            check_site_rules(job, part, file=self.job_file)
+        except MilehpcError as err:
+            self.add("job-on-site", FAIL, str(err))
 
     def check_memory(self, job: Any, site: Any, part: Any, part_name: str) -> None:
         """The memory estimate (milehpc.memory) of the job's largest rank against the partition's devices."""

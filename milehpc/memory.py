@@ -32,8 +32,11 @@ Per rollout rank of an engine of ``g = rollout.gpus_per_engine`` ranks:
   colocated, else 0.88, SGLang's default for large GPUs); the reference engine may use the whole device.
 
 The prompt length is the task's own for ``task:`` sources (the toy tokenizer is one token per character) and
-:data:`ASSUMED_PROMPT_TOKENS` for a JSONL source (capped by the context). A colocated rank holds its trainer
-or its engine (the engine is offloaded while the trainer steps): each is checked against its own budget. A device that is known and smaller than a
+:data:`ASSUMED_PROMPT_TOKENS` for a JSONL source (capped by the context). A colocated rank's peak depends on
+whether its engine offloads: SGLang's is released right after it starts (before the trainer is built and warmed
+up) and while the trainer steps (:mod:`milehpc.runtime.offload`), so the rank holds its trainer or its engine and each
+is checked against its own budget; the reference engines never offload, so the rank holds both at once and their sum
+is checked against the device. A device that is known and smaller than a
 rank's total cannot hold it: ``submit`` refuses that in one line naming the largest item and the smallest single
 change that fits (``--force`` submits anyway); the estimate leaves out the CUDA/ROCm context and allocator slack, so
 a total above :data:`TIGHT` of the device is flagged as tight. Checked against real bytes in tests/test_memory.py.
@@ -62,6 +65,7 @@ TOY_VOCAB_SIZE = 55
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SGLANG_DEFAULT_FRACTION = 0.88
 TIGHT = 0.9
+COLOCATED = "colocated"  # the role of a rank that holds its trainer and its engine at once
 # Prompt tokens of the toy tasks besides their digits: BOS, "sort:" ... "=" (BOS, "add:" a "+" b "=").
 _TOY_PROMPT_EXTRA = {"sort": 7, "reverse": 6, "addition": 7}
 
@@ -327,14 +331,26 @@ def estimate(job: JobSpec, plan: Plan, partition: Partition, *, vocab_size: int 
     trainer = RankMemory("trainer", titems, device, "device" if device else unknown, extra)
     engine = RankMemory("rollout", eitems, int(device * frac) if device else None,
                         unknown if not device else f"{frac:g} of the device" if frac < 1 else "device")
+    if plan.colocated and not engine_offloads(job):
+        notes.append(f"colocated: the {job.rollout.engine} engine stays resident beside the trainer, so the rank "
+                     "holds both")
+        both = RankMemory(COLOCATED, titems + eitems, device, trainer.budget_note, extra)
+        return Estimate([both], device, notes)
     if plan.colocated:
-        notes.append("colocated: the engine is offloaded while the trainer steps; each side is checked against its "
-                     "own budget and the one that does not fit (else the larger) is shown")
+        notes.append("colocated: the engine is released at start-up (before the trainer is built) and while the "
+                     "trainer steps; each side is checked against its own budget and the one that does not fit "
+                     "(else the larger) is shown")
         # Not simply the larger total: the engine's budget is mem_fraction_static of the device, so a smaller
         # engine side can overflow while a larger trainer side fits.
         side = next((r for r in (trainer, engine) if not r.fits), max(trainer, engine, key=lambda r: r.total))
         return Estimate([side], device, notes)
     return Estimate([trainer, engine], device, notes)
+
+
+def engine_offloads(job: JobSpec) -> bool:
+    """Whether a colocated engine gives the device back to the trainer (milehpc.runtime.offload.for_job drives only
+    SGLang's release/resume; the reference engines keep their weights and cache resident)."""
+    return job.rollout.engine == "sglang"
 
 
 def _change(job: JobSpec, table: str, key: str, value: object) -> tuple[str, JobSpec]:
@@ -354,18 +370,19 @@ def _halving(start: int) -> list[int]:
 def suggestion(job: JobSpec, plan: Plan, partition: Partition, role: str, **needs: bool) -> str:
     """The smallest single change that makes ``role``'s ranks fit (what to set, and how much the rank then needs),
     tried in this order: trainer — the distributed optimizer, more TP, a smaller micro-batch, more PP; rollout —
-    more GPUs per engine, fewer prompts per step."""
+    more GPUs per engine, fewer prompts per step; a colocated rank holding both — the trainer's, then the rollout's."""
     tr, ro = job.trainer, job.rollout
     per_node = partition.slots_per_node
-    if role == "trainer":
-        tries = [_change(job, "trainer", "distributed_optimizer", True)] \
+    tries = []
+    if role in ("trainer", COLOCATED):
+        tries += [_change(job, "trainer", "distributed_optimizer", True)] \
             if not tr.distributed_optimizer and tr.dp > 1 and tr.backend == "megatron" else []
         tries += [_change(job, "trainer", "tp", tp) for tp in _doubling(tr.tp, per_node)
                   if job.model.num_heads % tp == 0]
         tries += [_change(job, "trainer", "micro_batch_size", m) for m in _halving(tr.micro_batch_size)]
         tries += [_change(job, "trainer", "pp", pp) for pp in _doubling(tr.pp, job.model.num_layers)]
-    else:
-        tries = [_change(job, "rollout", "gpus_per_engine", g) for g in _doubling(ro.gpus_per_engine, per_node)]
+    if role in ("rollout", COLOCATED):
+        tries += [_change(job, "rollout", "gpus_per_engine", g) for g in _doubling(ro.gpus_per_engine, per_node)]
         tries += [_change(job, "rollout", "prompts_per_step", n) for n in _halving(ro.prompts_per_step)]
     for change, candidate in tries:
         est = estimate(candidate, plan, partition, **needs)
@@ -385,7 +402,7 @@ def check_fits(job: JobSpec, plan: Plan, partition: Partition, *, file: str | No
     big = bad.largest()
     budget = bad.budget or 0
     fix = suggestion(job, plan, partition, bad.role, **needs)
-    field_name = "trainer" if bad.role == "trainer" else "rollout"
+    field_name = {"trainer": "trainer", COLOCATED: "resources.colocate"}.get(bad.role, "rollout")
     raise ConfigError(f"expected a {bad.role} rank to fit {budget / GIB:.1f} GiB ({bad.budget_note}), got an estimated "
                       f"{bad.total / GIB:.1f} GiB, the largest item {big.name} {big.bytes / GIB:.1f} GiB; {fix}, "
                       "or submit with --force", file=file, field=field_name)

@@ -4,6 +4,7 @@ from a local folder. No downloads."""
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,3 +157,59 @@ def _load_model(spec: ModelSpec, dtype: torch.dtype, *, seed: int, value_head: b
 def save_model(model: Any, path: str | Path) -> None:
     """Write an HF folder that ``model.path`` can load."""
     model.save_pretrained(str(path))
+
+
+# ---- HF MoE names: transformers 5's in-memory layout vs the checkpoint's --------------------------------------
+# transformers 5 holds a layer's routed experts stacked (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first;
+# ``mlp.experts.down_proj`` [E, H, I]) and reverts that to per-expert names when it saves a checkpoint. SGLang's
+# model classes load the checkpoint names only: sglang 0.5.23's qwen2_moe / qwen3_moe / mixtral ``load_weights``
+# map experts through ``FusedMoE.make_expert_params_mapping`` (``experts.{e}.gate_proj.`` -> ``experts.w13_``...)
+# and skip any name their parameters lack without a word, so stacked names would leave the experts as loaded.
+MOE_LAYOUTS = ("transformers", "checkpoint")
+CHECKPOINT_MOE_ENGINES = frozenset({"sglang"})  # rollout engines that load the checkpoint's MoE names
+_STACKED = re.compile(r"^(?P<pre>(?:.*\.)?layers\.\d+\.)mlp\.experts\.(?P<which>gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"^(?P<pre>(?:.*\.)?layers\.\d+\.)mlp\.gate\.weight$")
+
+
+def engine_moe_layout(engine: str) -> str:
+    """The MoE layout the rollout engine ``engine`` loads: ``"checkpoint"`` (per-expert names) for SGLang,
+    ``"transformers"`` (stacked, as the model holds them) for the engines that run transformers' own classes."""
+    return "checkpoint" if engine in CHECKPOINT_MOE_ENGINES else "transformers"
+
+
+def checkpoint_expert_names(model_type: str, prefix: str, expert: int) -> tuple[str, str, str]:
+    """(gate, up, down) checkpoint names of routed expert ``expert`` in the layer named ``prefix``
+    (``model.layers.3.``): Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2``, else ``mlp.experts.{e}.gate_proj/
+    up_proj/down_proj``."""
+    if model_type == "mixtral":
+        b = f"{prefix}block_sparse_moe.experts.{expert}."
+        return b + "w1.weight", b + "w3.weight", b + "w2.weight"
+    b = f"{prefix}mlp.experts.{expert}."
+    return b + "gate_proj.weight", b + "up_proj.weight", b + "down_proj.weight"
+
+
+def checkpoint_router_name(model_type: str, prefix: str) -> str:
+    """The checkpoint name of the router of the layer named ``prefix`` (Mixtral: ``block_sparse_moe.gate``)."""
+    return f"{prefix}block_sparse_moe.gate.weight" if model_type == "mixtral" else f"{prefix}mlp.gate.weight"
+
+
+def moe_names(name: str, tensor: torch.Tensor, model_type: str, layout: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """One tensor of an MoE model in transformers 5's names -> ``layout``'s: in the checkpoint layout the stacked
+    experts come apart per expert (views, no copy) and Mixtral's router takes its checkpoint name; every other
+    tensor, and everything in the transformers layout, passes as it is."""
+    if layout not in MOE_LAYOUTS:
+        raise ValueError(f"expected an MoE layout in {MOE_LAYOUTS}, got {layout!r}")
+    stacked = _STACKED.match(name) if layout == "checkpoint" else None
+    if stacked is not None:
+        pre = stacked["pre"]
+        for e in range(tensor.shape[0]):
+            gate, up, down = checkpoint_expert_names(model_type, pre, e)
+            if stacked["which"] == "down_proj":
+                yield down, tensor[e]
+            else:
+                inter = tensor.shape[1] // 2
+                yield gate, tensor[e, :inter]
+                yield up, tensor[e, inter:]
+        return
+    router = _ROUTER.match(name) if layout == "checkpoint" and model_type == "mixtral" else None
+    yield (checkpoint_router_name(model_type, router["pre"]) if router else name), tensor

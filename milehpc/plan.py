@@ -54,6 +54,9 @@ class Plan:
     rollout_ranks: int
     engines: int
     gpus_per_engine: int
+    # The site launcher's GPU binding (config.site.Launcher.gpu_binding): what each rank's process sees. Defaulted so
+    # a plan.json written before the field existed still loads (it then means Slurm's usual per-task binding).
+    gpu_binding: str = "per-task"
 
     # ---- per-rank facts -------------------------------------------------
     def role(self, rank: int) -> str:
@@ -90,6 +93,15 @@ class Plan:
             raise ValueError(f"rank {rank} is not a rollout rank")
         offset = rank - self.rollout_first
         return offset // self.gpus_per_engine, offset % self.gpus_per_engine
+
+    def device_index(self, rank: int) -> int | None:
+        """The index of this rank's GPU among the devices its process sees (None without GPUs): what
+        ``torch.cuda.set_device`` and SGLang's ``base_gpu_id`` take. Per-task binding shows each rank its own GPU
+        alone (index 0); per-node binding, or none, shows the node's GPUs (the rank's node-local one, as
+        :func:`milehpc.comm.devices.choose_device` picks it)."""
+        if not self.gpus_per_rank:
+            return None
+        return 0 if self.gpu_binding == "per-task" else self.info(rank).gpus[0]
 
     def engine_leaders(self) -> list[int]:
         return [self.rollout_first + e * self.gpus_per_engine for e in range(self.engines)]
@@ -208,5 +220,5 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
         world_size=world, colocated=job.resources.colocate, device_vendor=partition.devices.vendor,
         backend=backend, gpus_per_rank=gpus_per_rank, trainer_ranks=trainer_ranks, tp=tr.tp, pp=tr.pp, dp=tr.dp,
         ep=tr.ep, rollout_first=rollout_first, rollout_ranks=rollout_ranks, engines=ro.engines,
-        gpus_per_engine=ro.gpus_per_engine,
+        gpus_per_engine=ro.gpus_per_engine, gpu_binding=partition.launcher.gpu_binding,
     )

@@ -18,7 +18,8 @@
 # transfer limit applies. The script installs whatever .whl/ holds and fails with one line if sglang is still absent.
 #
 # Two modes:
-#   bash scripts/gpu-check.sh core     # a bare GPU machine + carried megatron-core and torch_memory_saver wheels:
+#   bash scripts/gpu-check.sh core     # a CUDA torch with transformers and pluggy + carried megatron-core and
+#                                      # torch_memory_saver wheels (exactly these: README "GPU checks"):
 #                                      # scripts/gpu_check_core.py (torch trainer + reference engine colocated with
 #                                      # torch_memory_saver, CUDA-IPC, Megatron bf16 steps, GRPO logprob agreement);
 #                                      # figures in $OUT/gpu-check-core.json; needs no sglang; < 8 minutes

@@ -15,8 +15,9 @@ of stdout):
    time, tokens/s), and the packed (THD-layout) micro-batches agreeing with the padded layout.
 
 Exit 0 when every check passes, 1 when one fails, 2 when there is no GPU or a needed package is missing.
-``--device cpu`` runs the same logic on the CPU with the GPU-only pieces (memory saver, IPC) skipped: the script's
-own test (tests/test_gpu_check_core_script.py).
+``--device cpu`` runs the same logic on the CPU with CUDA-IPC skipped, for the script's own test
+(tests/test_gpu_check_core_script.py), which puts the real torch_memory_saver over a faked CUDA binding on the path
+(tests/standin_gpu_stack/): there, as on a GPU, the trainer's tensors are unusable between pause and resume.
 """
 
 from __future__ import annotations
@@ -67,39 +68,6 @@ def job_spec(args: argparse.Namespace, backend: str, **trainer: Any) -> Any:
         "run": {"steps": args.steps, "seed": 0}}, file="gpu-check-core")
 
 
-def ensure_builtin_plugins() -> None:
-    """milehpc on PYTHONPATH but not pip-installed: register the built-in plugins pyproject lists."""
-    import importlib
-
-    import tomllib
-
-    from milehpc import plugins
-
-    pm = plugins.get_plugin_manager()
-    if any(name.startswith("builtin-") for name, _ in pm.list_name_plugin()):
-        return
-    entries = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["milehpc"]
-    for name, module in entries.items():
-        if name.startswith("builtin-"):
-            plugins.register(importlib.import_module(module), name=name)
-
-
-class NoSaver:
-    """--device cpu: torch_memory_saver needs libcuda; the same calls, doing nothing."""
-
-    import contextlib as _contextlib
-
-    @_contextlib.contextmanager
-    def region(self, tag: str = "default", enable_cpu_backup: bool = False) -> Any:
-        yield
-
-    def pause(self, tag: str | None = None) -> None:
-        pass
-
-    def resume(self, tag: str | None = None) -> None:
-        pass
-
-
 def score(samples: list[Any]) -> None:
     """Fraction of even token ids: cheap and varied within a group, so GRPO has advantages."""
     for s in samples:
@@ -124,7 +92,9 @@ def check_colocated(args: argparse.Namespace, device: Any, out: dict[str, Any]) 
 
     job = job_spec(args, "torch")
     tok = build_tokenizer(job.model.tokenizer)
-    saver = torch_memory_saver_backend() if device.type == "cuda" else NoSaver()
+    # On the CPU (the script's test) the same package with its CUDA binding faked: a paused tensor is unusable there
+    # too (tests/standin_gpu_stack), so reading the trainer between pause and resume fails on both.
+    saver = torch_memory_saver_backend()
     engine = ReferenceEngine(build_model(job.model, tok.vocab_size, seed=0, pad_id=tok.pad_id, eos_id=tok.eos_id),
                              tok, device=device, seed=1)
     step = ColocatedStep(engine, None, saver, device=device)
@@ -151,6 +121,9 @@ def check_colocated(args: argparse.Namespace, device: Any, out: dict[str, Any]) 
         metrics = step.train_phase(lambda samples=samples, i=i: trainer.train_step(samples, i))
         # After the update the engine holds the trainer's new weights: fresh samples agree token by token.
         fresh = engine.generate(prompts[:4], dataclasses.replace(sampling, n=1))
+        # train_phase ended with the trainer paused (its memory unmapped): resume before reading it, as
+        # scripts/gpu_check.py does; the next train_phase finds it resident and pauses it again.
+        step.onload_train()
         diff = _diff(trainer.compute_logprobs(fresh), [s.rollout_logprobs for s in fresh])
         res["steps"].append({
             "step": i, "gen_tokens_per_s": tokens / gen_s, "train_s": metrics.get("time/colocate_train", 0.0),
@@ -167,6 +140,7 @@ def check_colocated(args: argparse.Namespace, device: Any, out: dict[str, Any]) 
     out["checks"]["colocated_logprobs_agree"] = all(s["logprob_diff_after_update"] <= tol for s in res["steps"])
     if device.type == "cuda":
         out["checks"]["memory_saver_frees_trainer_memory"] = all(s["freed_train_gb"] > 0 for s in res["steps"])
+    step.onload_train()  # resident already (the loop's last check resumed it); the export reads the trainer
     res["_named"] = [(n, t) for n, t in trainer.export_weights()]  # for the IPC part (dropped from the JSON)
     return res
 
@@ -195,7 +169,13 @@ def check_ipc(named: list[tuple[str, Any]], device: Any, out: dict[str, Any]) ->
     queue, done = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=_ipc_child, args=(queue, done))
     child.start()
-    on_gpu = [(n, t.to(device)) for n, t in named]
+    from milehpc.weights.inplace import HostSnapshot
+
+    # What the colocated loop shares: the host snapshot uploaded into fresh memory. The trainer's own tensors live in
+    # torch_memory_saver's region (cuMemCreate mappings), which legacy CUDA IPC cannot export ("invalid argument").
+    snap = HostSnapshot()
+    snap.take(named)
+    on_gpu = list(snap.upload(device))
     torch.cuda.synchronize()
     want = sum(float(t.float().sum()) for _, t in on_gpu)
     t0 = time.perf_counter()
@@ -246,7 +226,8 @@ def check_megatron(args: argparse.Namespace, device: Any, out: dict[str, Any]) -
     out["checks"]["megatron_on_device"] = next(tr.module.parameters()).device.type == device.type
     out["checks"]["megatron_packed_matches_padded"] = diff < 5e-2  # bf16 rounding differs by layout
     out["checks"]["megatron_steps_finite"] = all(abs(x) < 1e6 for x in losses)
-    return {"step_s": times, "tokens_per_s": tokens / (sum(times[1:]) / max(len(times) - 1, 1)),
+    warm = times[1:] or times  # the first step compiles and allocates; with one step it is all there is
+    return {"step_s": times, "tokens_per_s": tokens / (sum(warm) / len(warm)),
             "packed_vs_padded_logprob_diff": diff, "params": sum(p.numel() for p in tr.module.parameters())}
 
 
@@ -260,8 +241,9 @@ def main() -> int:
     if args.device == "cuda":
         import importlib.util
 
-        missing = [m for m in ("megatron.core", "torch_memory_saver") if importlib.util.find_spec(m.split(".")[0])
-                   is None]
+        # Exactly what the check needs beyond torch (README "GPU checks"; each brings its own dependencies).
+        missing = [m for m in ("megatron", "torch_memory_saver", "transformers", "pluggy")
+                   if importlib.util.find_spec(m) is None]
         if missing:
             print(f"gpu-check core: {', '.join(missing)} not importable (carry the wheels in .whl/; see "
                   "scripts/gpu-check.sh)", file=sys.stderr)
@@ -269,6 +251,7 @@ def main() -> int:
     import socket
 
     import torch.distributed as dist
+    from gpu_check import ensure_builtin_plugins  # scripts/ is this script's sys.path[0]
 
     ensure_builtin_plugins()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -313,4 +296,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from milehpc.runtime.offload import end_process, saver_initialised
+
+    if saver_initialised():  # the interpreter's teardown would end it with 1 (see end_process)
+        end_process(code)
+    sys.exit(code)

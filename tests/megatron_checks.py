@@ -6,6 +6,8 @@ Rank 0 writes the measured figures to OUT.json; tests/test_megatron_mpi.py asser
 first on the whole world; then ranks 0-1 carry on in a fresh 2-rank process group (ranks 2-3 are done) for the
 others, each of which re-carves Megatron's parallel state out of the same 2-rank world (``-np 2`` runs those alone):
 
+* ``colocated`` (4 ranks) — the RL loop colocated (milehpc's bootstrap, loop and reference engines), Megatron at
+  TP=2 x DP=2: each engine's weights after each load against the trainer's export of that version (issue 30).
 * ``parity4`` (4 ranks) — the same batch through the torch trainer and the Megatron trainer at TP=2 x PP=2 with the
   KL reference, the critic (PPO/GAE) and the teacher (distillation), and every other estimator, loss and
   aggregation mode (``PARITY_MODES``): loss, value loss, gradient norms.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -221,6 +224,101 @@ def check_replay(comm: Any) -> dict[str, Any]:
     tr.train_step(samples, 1)  # and training with replay runs
     return {"replay_identical": replay_same, "replay_total": replay_total, "free_identical": free_same,
             "free_total": free_total}
+
+
+def token_reward(sample: Any) -> float:
+    """A reward that differs between the samples of a group from the first step (the responses of a random model all
+    run to max_new_tokens, so their lengths do not), so every step moves the weights."""
+    return (sum(sample.response_ids) % 7) / 7.0
+
+
+COLOCATED_JOB = {
+    "name": "megatron-colocated",
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64,
+              "max_position_embeddings": 32},  # tests/tiny_model.py
+    "data": {"source": "task:reverse", "params": {"min_len": 1, "max_len": 4}},
+    "reward": {"name": "megatron_checks:token_reward"},
+    "rollout": {"engines": 4, "prompts_per_step": 4, "n_samples": 2, "max_new_tokens": 4, "temperature": 0.8},
+    "trainer": {"backend": "megatron", "tp": 2, "dp": 2, "micro_batch_size": 4, "lr": 1e-2},
+    "resources": {"colocate": True, "collective_timeout_s": 120},
+    "run": {"steps": 2, "loop": "sync", "check_logprobs": True},
+}
+
+
+def check_colocated_loop(comm: Any, work: str) -> dict[str, Any]:
+    """Issue 30 fault 4: the RL loop, colocated, Megatron at TP=2 x DP=2 on the 4 ranks (milehpc's own bootstrap and
+    loop; an engine on every rank). Megatron exports the whole model on tp0/dp0 alone, yet every rank's engine must
+    load all of it at every sync. Each engine's weights right after each of its loads and the trainer's export at that
+    version (rank 0's: PP=1, the whole model) are recorded by wrapping the two methods (the real ones run) and
+    compared on rank 0."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from milehpc.comm.context import RunContext
+    from milehpc.comm.world import bootstrap
+    from milehpc.config.load import job_from_dict
+    from milehpc.config.site import Launcher, Partition
+    from milehpc.plan import make_plan
+    from milehpc.rollout.reference import ReferenceEngine
+    from milehpc.runtime.loop import run
+    from milehpc.train.megatron.trainer import MegatronTrainer
+
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()  # the loop brings up its own groups
+    job = job_from_dict(COLOCATED_JOB)
+    plan = make_plan(job, Partition(scheduler="local", launcher=Launcher(kind="mpirun"), cpus_per_node=4),
+                     site="local", partition_name="local")
+    run_dir = Path(work) / "colocated"
+    run_dir.mkdir(exist_ok=True)
+    exports: dict[int, dict[str, Any]] = {}  # trainer version -> what this rank's trainer exported
+    loads: list[tuple[int, list[str], dict[str, Any]]] = []  # (version, names received, engine weights after)
+    real_export, real_update = MegatronTrainer.export_weights, ReferenceEngine.update_weights
+
+    def export_weights(self: Any, **kwargs: Any) -> Any:
+        out = real_export(self, **kwargs)
+        if not kwargs:
+            exports[self.version] = {n: t.detach().cpu().clone() for n, t in out}
+        return out
+
+    def update_weights(self: Any, named_tensors: Any, version: int) -> None:
+        names: list[str] = []
+
+        def seen() -> Any:
+            for name, tensor in named_tensors:
+                names.append(name)
+                yield name, tensor
+
+        real_update(self, seen(), version)
+        state = self.model.state_dict()
+        loads.append((version, names, {n: state[n].detach().cpu().clone() for n in names}))
+
+    MegatronTrainer.export_weights, ReferenceEngine.update_weights = export_weights, update_weights
+    start = time.perf_counter()
+    try:
+        comms = bootstrap(plan, job, run_id="megatron-colocated", master_addr="127.0.0.1", world=comm)
+        history = run(RunContext(job=job, plan=plan, comms=comms, run_dir=run_dir), progress=False)
+        comms.close()
+    finally:
+        MegatronTrainer.export_weights, ReferenceEngine.update_weights = real_export, real_update
+        ps.destroy_model_parallel()
+    every = comm.gather(loads, root=0)
+    _init_torch_distributed(comm)  # the world group the callers expect back
+    if comm.Get_rank() != 0:
+        return {}
+    out: dict[str, Any] = {"versions": [[v for v, _, _ in mine] for mine in every], "missing": [], "maxdiff": 0.0,
+                           "tensors": len(exports[0]), "steps": [r["step"] for r in history],
+                           "logprob_diff_max": max(r["train/logprob_diff_max"] for r in history),
+                           "trained": _maxdiff(exports[0], exports[max(exports)]),
+                           "seconds": time.perf_counter() - start}
+    for rank, mine in enumerate(every):
+        for version, names, weights in mine:
+            want = exports[version]
+            out["missing"] += [f"rank {rank} v{version}: {n}" for n in sorted(set(want) - set(names))]
+            got = _maxdiff({n: want[n] for n in weights}, weights) if weights else math.inf
+            out["maxdiff"] = max(out["maxdiff"], got)
+    return out
 
 
 def check_devices(comm: Any) -> dict[str, Any]:
@@ -653,10 +751,10 @@ def main() -> None:
     from milehpc.train.megatron import cpu_adapt
 
     cpu_adapt.apply()  # turns the device check on (MILEHPC_DEVICE_CHECK) before any group is used
-    wide = {"parity4": check_parity_tp2pp2}
+    wide = {"parity4": check_parity_tp2pp2, "colocated": check_colocated_loop}
     groups = {"logits": check_logits, "path": check_from_path, "ckpt": check_ckpt, "replay": check_replay,
               "devices": check_devices, "parity": check_parity}
-    needs_work = {"parity4", "path", "ckpt", "parity"}
+    needs_work = {"parity4", "colocated", "path", "ckpt", "parity"}
 
     def run(name: str, fn: Any, on: Any) -> None:
         results[name] = fn(on, work) if name in needs_work else fn(on)

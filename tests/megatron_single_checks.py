@@ -222,6 +222,24 @@ def check_packed() -> dict[str, Any]:
 
 
 # ---- extra: MoE logits, bf16, SFT warm-up -----------------------------------------------------------------------
+def _sglang_export_names(tr: Any, job: Any) -> dict[str, Any]:
+    """Issue 30, fault 8: for a job whose engine is SGLang the trainer's own export (no layout asked for) names the
+    experts one by one, as tests/test_moe_names.py shows SGLang's model classes load them."""
+    from dataclasses import replace
+
+    from milehpc.models import moe_names
+
+    stacked = tr.export_weights(moe_layout="transformers")
+    tr.job = replace(job, rollout=replace(job.rollout, engine="sglang"))
+    try:
+        default = [n for n, _ in tr.export_weights()]
+    finally:
+        tr.job = job
+    want = [n for name, t in stacked for n, _ in moe_names(name, t, tr.arch.model_type, "checkpoint")]
+    return {"stacked_left": [n for n in default if n.endswith(("experts.gate_up_proj", "experts.down_proj"))],
+            "as_sglang_loads": sorted(default) == sorted(want)}
+
+
 def check_extra() -> dict[str, Any]:
     from milehpc.models import build_model
     from milehpc.train.megatron.trainer import MegatronTrainer
@@ -246,6 +264,7 @@ def check_extra() -> dict[str, Any]:
             hf = build_model(job.model, V, seed=job.run.seed).eval()
         out[f"{kind}_model_type"] = tr.arch.model_type
         out[f"{kind}_vs_hf_logprobs"] = _maxdiff(tr.compute_logprobs(samples), _hf_logprobs(hf, samples))
+        out[f"{kind}_sglang_export"] = _sglang_export_names(tr, job)
 
     job = _job(precision="bf16")
     tr = MegatronTrainer(job, pad_id=0, vocab_size=V)

@@ -72,7 +72,7 @@ def sync(ctx: Any) -> None:
 
 
 def groups_and_sync(ctx: Any) -> None:
-    _write(ctx, _groups(ctx) | _sync(ctx))
+    _write(ctx, _groups(ctx) | _sync(ctx) | _lora_buckets(ctx) | _slow_member(ctx))
 
 
 def _groups(ctx: Any) -> dict[str, Any]:
@@ -149,9 +149,73 @@ def _sync(ctx: Any) -> dict[str, Any]:
     return data
 
 
+def lora_adapters(seed: int = 1) -> list[tuple[str, Any]]:
+    """Two adapters' sync in multi-LoRA names (milehpc.train.multi_lora): "small" at rank 8 (2 KiB per matrix),
+    "wide" at rank 16 (4 KiB per matrix: a bucket of its own at 4 KiB buckets), each with its scaling."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out: list[tuple[str, Any]] = []
+    for adapter, rank in (("small", 8), ("wide", 16)):
+        out.append((f"lora.scaling.{adapter}", torch.tensor([2.0], dtype=torch.float64)))
+        for i in range(3):
+            for m in ("q_proj", "v_proj"):
+                pre = f"model.layers.{i}.self_attn.{m}"
+                out += [(f"{pre}.lora_A.{adapter}.weight", torch.randn(rank, 64, generator=gen)),
+                        (f"{pre}.lora_B.{adapter}.weight", torch.randn(64, rank, generator=gen))]
+    return out
+
+
+def _lora_buckets(ctx: Any) -> dict[str, Any]:
+    """Issue 30, fault 9: an adapter sync spanning more buckets than the group's two receive buffers, taken apart on
+    the rollout ranks by sglang_lora.split_adapters straight from the stream (as SGLangEngine._load_adapter does),
+    must hand over the adapters as sent, not views the later buckets overwrote."""
+    import torch
+
+    from milehpc.rollout import sglang_lora
+    from milehpc.weights.broadcast import recv_weights_stream, send_weights
+
+    group = ctx.comms.sync_groups.get(0)
+    if group is None:
+        return {}
+    sent = lora_adapters()
+    if group.is_source:
+        return {"lora_buckets": send_weights(group, sent, group.version + 1, bucket_bytes=4096).buckets}
+    stream = recv_weights_stream(group)
+    got = sglang_lora.split_adapters(stream)
+    stream.drain()
+    equal = {}
+    for adapter, part in sglang_lora.split_adapters(sent).items():  # (buckets may reorder the tensors)
+        have = dict(got.get(adapter, []))
+        equal[str(adapter)] = have.keys() == dict(part).keys() and all(torch.equal(have[n], t) for n, t in part)
+    return {"lora_equal": equal}
+
+
+def _slow_member(ctx: Any) -> dict[str, Any]:
+    """Issue 30, fault 3: a bucket still in flight seconds after it was queued (the rollout ranks busy elsewhere)
+    must not end the sync. Under the device check the sync groups keep NCCL's rules, among them that
+    ``work.wait(timeout)`` counts from the enqueue and aborts the group (the old 1-s wait slices did that)."""
+    import torch
+
+    from milehpc.comm import devcheck
+
+    devcheck.enable()  # last in the launch: the sync above ran on CPU buffers, which the check would refuse
+    got = {}
+    for stage, group in sorted(ctx.comms.sync_groups.items()):
+        if group.is_source:
+            t = torch.full((4,), 7.0 + stage, device="cuda")
+        else:
+            time.sleep(1.5)  # the broadcast waits this long for its receivers, past a 1-s slice after its enqueue
+            t = torch.zeros(4, device="cuda")
+        group.wait(group.broadcast(t), f"slow-member broadcast (stage {stage})", timeout=60)
+        got[str(stage)] = t[0].item()
+    return {"slow_member": got, "slow_member_check": devcheck.enabled()}
+
+
 def colocated(ctx: Any) -> None:
     """Colocated: every rank is trainer and rollout; weights go into the engine in place, no broadcast."""
     from milehpc.weights.check import compare_named_tensors
+    from milehpc.weights.inplace import whole_model
     from milehpc.weights.sync import sync_weights
 
     data = _groups(ctx)
@@ -159,6 +223,14 @@ def colocated(ctx: Any) -> None:
     tensors = model_tensors(layers=3)
     sync_weights(ctx.comms, 5, named_tensors=tensors, engine=engine)
     data |= {"bit_exact": compare_named_tensors(tensors, engine.weights).ok, "version": engine.version}
+    # Exported the Megatron way at PP=2 (issue 30 fault 4): each stage's leader (ranks 0 and 2) its half, the others
+    # nothing; every rank's engine still gets the whole model, in one order.
+    half = len(tensors) // 2
+    part = {0: tensors[:half], 2: tensors[half:]}.get(ctx.rank, [])
+    whole = DictEngine()
+    sync_weights(ctx.comms, 6, named_tensors=whole_model(ctx.comms, part), engine=whole)
+    data["whole_model"] = (compare_named_tensors(tensors, whole.weights).ok and whole.version == 6
+                           and list(whole.weights) == [n for n, _ in tensors])
     _write(ctx, data)
 
 

@@ -1,5 +1,6 @@
 """scripts/gpu-check.sh core on a CPU machine (one line, exit 2), and scripts/gpu_check_core.py's logic on the CPU
-(--device cpu: the GPU-only memory saver and CUDA-IPC parts skipped)."""
+(--device cpu: the CUDA-IPC part skipped; the memory saver is the real torch_memory_saver over a faked CUDA binding
+whose pause makes the trainer's tensors unusable until resumed, tests/standin_gpu_stack/ on the subprocess's path)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tms_real
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,9 +32,12 @@ def test_an_unknown_mode_is_refused() -> None:
 
 
 @pytest.mark.slow
-def test_core_check_logic_runs_on_cpu(tmp_path: Path) -> None:
+def test_core_check_logic_runs_on_cpu_with_the_pausing_memory_saver(tmp_path: Path) -> None:
+    """Also the guard of the check's order: the trainer is read (logprobs, exported weights) only while resident."""
+    tms_real.require_real()
     out = tmp_path / "core.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "standin_gpu_stack"), str(ROOT)])}
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_core.py"), "--device", "cpu", "--small",
                           "--steps", "2", "--prompts", "4", "--n", "4", "--max-new-tokens", "8", "--out", str(out)],
                          capture_output=True, text=True, timeout=600, env=env)

@@ -2,9 +2,9 @@
 
 Two launches only (importing megatron, torch and transformers costs seconds per rank):
 
-* ``tests/megatron_checks.py`` on 4 ranks (the TP=2 x PP=2 parity), then 2 of them: Megatron vs HF
-  logits/logprobs/entropy at TP=2, the export at TP=2, dist checkpoint save -> resume (bit-exact) and resume at
-  another TP (TP=1 x DP=2), MoE routing replay (EP=2), all under the device check (a CPU tensor reaching a
+* ``tests/megatron_checks.py`` on 4 ranks (the TP=2 x PP=2 parity; the colocated loop at TP=2 x DP=2), then 2 of
+  them: Megatron vs HF logits/logprobs/entropy at TP=2, the export at TP=2, dist checkpoint save -> resume
+  (bit-exact) and resume at another TP (TP=1 x DP=2), MoE routing replay (EP=2), all under the device check (a CPU tensor reaching a
   collective of an NCCL group fails, as on a GPU); and the same batch through the torch trainer and the Megatron
   trainer (TP=1 x DP=2, TP=2, PP=2, TP=2 x PP=2) with a KL reference, a critic (PPO/GAE) and a teacher
   (distillation): same loss, KL, value loss, policy and critic gradients.
@@ -74,6 +74,19 @@ def test_dist_checkpoint_resume_is_bit_exact_and_reshards(checks: dict) -> None:
     assert got["tp1dp2_reload_vs_saved"] == 0.0  # TP=2 -> TP=1 x DP=2: the same weights
     # The next step at another layout differs only by reduction order.
     assert got["tp1dp2_resume_step_vs_uninterrupted"] < 1e-4
+
+
+def test_colocated_megatron_tp2_dp2_every_engine_holds_the_trainers_weights_after_each_sync(checks: dict) -> None:
+    """Issue 30 fault 4: the colocated loop (milehpc's bootstrap and loop, reference engines, the device check on),
+    Megatron at TP=2 x DP=2 on the same 4-rank launch: Megatron exports the model on tp0/dp0 only, and the engines
+    of the other three ranks kept their initial weights (they received no tensor; the logprob check caught it one
+    step later). Now every engine, after each of its loads (the initial sync and one per step), holds exactly the
+    trainer's export of that version, every tensor of it, and the steps moved the weights."""
+    got = checks["colocated"]
+    assert got["versions"] == [[0, 1, 2]] * 4  # every rank's engine loaded at every sync
+    assert got["missing"] == [] and got["maxdiff"] == 0.0, got
+    assert got["tensors"] == 27 and got["trained"] > 1e-3  # 2 layers x 11 + embed, norm, lm_head...; not vacuous
+    assert got["steps"] == [0, 1] and got["logprob_diff_max"] < 1e-5
 
 
 def test_device_check_is_on_and_dp_reductions_use_the_collective_device(checks: dict) -> None:

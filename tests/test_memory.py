@@ -126,27 +126,49 @@ def test_doctor_reports_the_estimate() -> None:
 def test_colocated_ranks_count_the_larger_side() -> None:
     from milehpc.render.rundir import prepare
 
-    prep = prepare(str(FRONTIER), "frontier-like", ("resources.colocate=true", "rollout.engines=4",
-                                                    "rollout.gpus_per_engine=4", "resources.nodes=2",
-                                                    "run.loop=sync"), run_dir="/nonexistent")
+    # an NVIDIA site: colocated SGLang is refused on AMD partitions (torch_memory_saver's wheel is CUDA-only)
+    prep = prepare(str(FRONTIER), "dgx-h100-like", ("resources.use=[]", "resources.colocate=true",
+                                                    "rollout.engines=4", "rollout.gpus_per_engine=4",
+                                                    "resources.nodes=2", "run.loop=sync"), run_dir="/nonexistent")
     est = memory.for_job(prep.job, prep.plan, prep.partition, file=None, force=True)
     (rank,) = est.ranks
     assert rank.role == "trainer" and any("colocated" in n for n in est.notes)
 
 
 def test_a_colocated_engine_that_overflows_its_fraction_is_refused_behind_a_larger_trainer() -> None:
-    """The engine's budget is mem_fraction_static (0.5 colocated) of the device: ~35 GiB of engine does not fit
-    32 GiB although the ~43 GiB trainer side is the larger one and fits the whole device."""
+    """The engine's budget is mem_fraction_static (0.5 colocated) of the device: ~41.6 GiB of engine does not fit
+    39.8 GiB (an 80 GB H100) although the ~43.5 GiB trainer side is the larger one and fits the whole device."""
     from milehpc.render.rundir import prepare
 
-    prep = prepare(str(FRONTIER), "frontier-like", ("resources.colocate=true", "rollout.engines=4",
-                                                    "rollout.gpus_per_engine=4", "resources.nodes=2",
-                                                    "run.loop=sync", "trainer.micro_batch_size=8",
-                                                    "rollout.prompts_per_step=768"), run_dir="/nonexistent")
+    prep = prepare(str(FRONTIER), "dgx-h100-like", ("resources.use=[]", "resources.colocate=true",
+                                                    "rollout.engines=4", "rollout.gpus_per_engine=4",
+                                                    "resources.nodes=2", "run.loop=sync", "trainer.micro_batch_size=8",
+                                                    "rollout.prompts_per_step=928"), run_dir="/nonexistent")
     est = memory.for_job(prep.job, prep.plan, prep.partition, file=None, force=True)
     (rank,) = est.ranks
     assert rank.role == "rollout" and not rank.fits, (rank.role, rank.total, rank.budget)
-    with pytest.raises(Exception, match="expected a rollout rank to fit 32.0 GiB"):
+    with pytest.raises(Exception, match="expected a rollout rank to fit 39.8 GiB"):
+        memory.for_job(prep.job, prep.plan, prep.partition, file=None)
+
+
+def test_a_colocated_engine_that_never_offloads_is_counted_beside_its_trainer() -> None:
+    """Issue 30: the estimate is the rank's peak. SGLang is released at start-up and while the trainer steps (each
+    side alone, above); the reference engine stays resident, so a ~43 GiB trainer and a ~46 GiB engine, each of which
+    fits an 80 GB H100 alone, do not fit it together."""
+    from milehpc.render.rundir import prepare
+
+    overrides = ("resources.use=[]", "resources.colocate=true", "rollout.engines=4", "rollout.gpus_per_engine=4",
+                 "resources.nodes=2", "run.loop=sync", "trainer.micro_batch_size=8", "rollout.prompts_per_step=1024",
+                 "rollout.engine=reference")
+    prep = prepare(str(FRONTIER), "dgx-h100-like", overrides, run_dir="/nonexistent")
+    est = memory.for_job(prep.job, prep.plan, prep.partition, file=None, force=True)
+    (rank,) = est.ranks
+    names = [i.name for i in rank.items]
+    assert rank.role == "colocated" and "trainer parameters" in names and "KV cache" in names, names
+    assert rank.budget == int(79.6 * memory.GIB) and not rank.fits
+    trainer = sum(i.bytes for i in rank.items if i.name not in ("engine weights", "KV cache"))
+    assert trainer < rank.budget and rank.total - trainer < rank.budget  # each side alone would fit
+    with pytest.raises(Exception, match="resources.colocate: expected a colocated rank to fit 79.6 GiB"):
         memory.for_job(prep.job, prep.plan, prep.partition, file=None)
 
 

@@ -122,6 +122,12 @@ def test_split_groups_and_bucketed_sync_pp2(tmp_path: Path) -> None:
                 assert not check["ok"]
                 assert check["worst"] == ["layers.7.mlp.fc1.weight", 3, 0.25]
     assert out[3]["tolerant"] is True
+    # Issue 30, fault 9: two adapters in more 4 KiB buckets than receive buffers arrive as sent.
+    assert out[0]["lora_buckets"] > 2 * 2
+    assert out[2]["lora_equal"] == out[3]["lora_equal"] == {"small": True, "wide": True}
+    # Issue 30, fault 3: broadcasts that waited seconds for their receivers completed under NCCL's wait rules.
+    assert all(o["slow_member_check"] for o in out)
+    assert out[2]["slow_member"] == out[3]["slow_member"] == {"0": 7.0, "1": 8.0}
 
 
 def test_colocated_layout_in_place(tmp_path: Path) -> None:
@@ -137,6 +143,7 @@ def test_colocated_layout_in_place(tmp_path: Path) -> None:
     assert [(o["trainer"], o["rollout"], o["engine"]) for o in out] == [(4, 4, 2)] * 4
     assert [o["dist_world"] for o in out] == [4] * 4 and out[0]["allreduce"] == 10.0
     assert all(o["sync"] == {} and o["bit_exact"] and o["version"] == 5 for o in out)
+    assert all(o["whole_model"] for o in out)  # a model exported in parts reaches every rank's engine whole
 
 
 def _assert_ended_naming(proc: subprocess.CompletedProcess[str], needle: str, rank: int) -> None:

@@ -138,6 +138,10 @@ def test_compare_exact_catches_a_one_ulp_change_and_dtype_and_missing() -> None:
     assert compare_named_tensors([("t", t)], {"t": bumped}, rtol=0.01).ok
     assert "dtype" in compare_named_tensors([("t", t)], {"t": t.float()}).mismatches[0].reason
     assert "missing" in compare_named_tensors([("t", t)], {}).mismatches[0].reason
+    # Issue 30: a name the engine holds but cannot read back (SGLang's get_weights_by_name answering None) fails.
+    unreadable = compare_named_tensors([("t", t)], {"t": None})
+    assert not unreadable.ok and "unreadable" in unreadable.mismatches[0].reason
+    assert "(1 unreadable)" in unreadable.summary()
     nan = torch.tensor([float("nan")])
     assert compare_named_tensors([("n", nan)], {"n": nan.clone()}).ok  # bit-exact NaN is equal
     assert not compare_named_tensors([("n", nan)], {"n": torch.zeros(1)}, atol=1.0).ok

@@ -125,7 +125,8 @@ def _score(samples):
         s.reward = float(i % 2)
 
 
-def _build(log):
+def _build(log, *, released: bool = False):
+    """``released``: the engine is released before the trainer is built, as the loop's entry does."""
     from milehpc.train.torch_trainer import TorchTrainer
 
     job = _job()
@@ -135,6 +136,8 @@ def _build(log):
                           colocated=True, engine_factory=lambda **kw: RecordingSGLangEngineStandIn(log, **kw))
     tokenizer = build_tokenizer("toy")
     colo = ColocatedStep(engine, None, saver, memory_probe=lambda: 0)
+    if released:
+        colo.offload_rollout()
     with colo.train_region():  # the trainer's parameters are allocated inside the pausable region
         colo.trainer = TorchTrainer(job, tokenizer)
     return job, engine, colo
@@ -172,6 +175,18 @@ def test_colocated_step_follows_miles_order_with_recording_standins():
     log.clear()
     samples, _ = colo.step([[3, 4, 5]], sp, step=1, score=_score)
     assert {s.weight_version for s in samples} == {1}
+
+
+def test_released_at_start_up_and_onloaded_around_the_first_update():
+    """Issue 30: released right after it starts, the engine holds nothing while the trainer is built and warmed up
+    (slime offloads its engines right after creating them); the initial sync then onloads it as every step's does.
+    An engine that was never released is not resumed (that would kill SGLang's scheduler): the test above."""
+    log: list[str] = []
+    _, engine, colo = _build(log, released=True)
+    colo.initial_sync(version=0)
+    compact = [e for i, e in enumerate(log) if not (e == "sglang.update_weights_from_tensor" and log[i - 1] == e)]
+    assert compact == [MILES_ORDER[1], "saver.region(train,cpu_backup=True)", *MILES_ORDER[3:]]
+    assert engine.weight_version() == 0 and not engine._engine.released and colo.released == set()
 
 
 def test_multiple_buckets_and_one_flush():

@@ -44,9 +44,10 @@ JOB = """
     [checkpoint]
     interval_steps = 1
 """
-# Rank 1: its scheduler dies after onloading the KV cache at the end of step 0 (restarted before step 1 generates).
-# Rank 0: dies with step 0's weight update in flight (the 1st update is the initial sync). Step 1 checks both.
-KILLS = "1:resume_memory_occupation:2,0:update_weights_from_tensor:2:before"
+# Rank 1: its scheduler dies after onloading the KV cache at the end of step 0 (restarted before step 1 generates;
+# the 4th resume: the initial sync onloads weights and KV cache too). Rank 0: dies with step 0's weight update in
+# flight (the 1st update is the initial sync). Step 1 checks both.
+KILLS = "1:resume_memory_occupation:4,0:update_weights_from_tensor:2:before"
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,12 @@ def test_real_sglang_colocated_miles_order_restarts_and_logprobs(job: Any) -> No
     from milehpc.samples.dumps import read_rollouts
 
     assert [{s.weight_version for s in read_rollouts(rdir, k)[0]} for k in range(2)] == [{0}, {1}]
-    start = ["Engine", "region:train",  # the trainer is built in the pausable region
-             "region:train", "pause:train", *UPDATE]  # the first update (the empty warm-up region first)
+    # Released right after it starts, before the trainer is built (issue 30: the start-up peak held both sides), and
+    # onloaded around the first update as around every later one.
+    start = ["Engine", "release_memory_occupation:cuda_graph,kv_cache,weights",
+             "region:train",  # the trainer is built in the pausable region
+             "region:train", "pause:train",  # the first update (the empty warm-up region first)
+             "resume_memory_occupation:weights", *UPDATE, "resume_memory_occupation:kv_cache,cuda_graph"]
     assert all(c.get("ok", True) for c in calls[0] + calls[1])  # every update the engine answered succeeded
     assert all(not c.get("memory_saver") for c in calls[0] + calls[1] if c["call"] == "Engine")  # off on CPU
     assert story(calls[1]) == [*start, *step(0), "killed_scheduler", *RESTART, *step(1)], out[-3000:]

@@ -214,10 +214,18 @@ async def watchdog_signal() -> None:
 
 def test_contract_get_weights_by_name_none_does_not_crash(engine):
     # Fault 5: Qwen2 in sglang 0.5.23 has no get_weights_by_name: the engine answers None.
+    import torch
+
+    from milehpc.weights.check import compare_named_tensors
+
     assert engine._engine.get_weights_by_name("model.norm.weight", truncate_size=10) is None
     engine._last_names = ["model.norm.weight"]
-    assert dict(engine.named_parameters()) == {}
+    held = dict(engine.named_parameters())
+    assert held == {"model.norm.weight": None}
     assert engine.unreadable == {"model.norm.weight"}
+    # Issue 30: what cannot be read back fails the weight check (not a note beside a pass).
+    check = compare_named_tensors([("model.norm.weight", torch.ones(32))], held)
+    assert not check.ok and "unreadable" in check.summary(), check.summary()
 
 
 def test_contract_update_from_distributed_over_gloo(engine, model_dir):
@@ -343,6 +351,27 @@ def test_contract_server_args_are_a_msgspec_struct_and_milehpc_reads_its_fields(
     with pytest.raises(ConfigError, match="speculative algorithm 'BOGUS'"):
         check_against_server_args({"speculative_algorithm": "BOGUS"})
     check_against_server_args({"speculative_algorithm": "EAGLE", "quantization": "fp8", "load_format": "flash_rl"})
+
+
+def test_contract_a_colocated_draft_model_keeps_its_weights_across_a_release_only_with_its_backup():
+    """Issue 30: sglang 0.5.23 gives a model's weights region a CPU backup (what release/resume_memory_occupation
+    restore) for the draft worker only with ``enable_draft_weights_cpu_backup`` (or the backup of every weight), the
+    field milehpc sets for a colocated engine with a draft model."""
+    require_real_sglang()
+    import inspect
+
+    from sglang.srt.model_executor.model_runner_components import load_model_utils
+    from sglang.srt.server_args import ServerArgs
+
+    from milehpc.config.sglang_options import check_against_server_args, server_arg_names
+
+    assert {"enable_draft_weights_cpu_backup", "enable_weights_cpu_backup"} <= server_arg_names(ServerArgs)
+    source = " ".join(inspect.getsource(load_model_utils).split())
+    assert ("enable_cpu_backup = get_exec().features.enable_weights_cpu_backup or ( is_draft_worker and "
+            "get_exec().features.enable_draft_weights_cpu_backup )") in source
+    assert "GPU_MEMORY_TYPE_WEIGHTS, enable_cpu_backup=enable_cpu_backup" in source
+    check_against_server_args({"model_path": "/m", "speculative_algorithm": "EAGLE",
+                               "enable_draft_weights_cpu_backup": True})
 
 
 def test_contract_fp8_rollout_reloads_with_flash_rl_and_spec_updates_target_only():

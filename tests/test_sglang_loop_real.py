@@ -15,6 +15,10 @@ trainer's after every sync. Three faults (``MILEHPC_FAULT``):
 * ``sync:3@2`` kills engine 0's scheduler while the trainer broadcasts version 3 into it: both stages' broadcasts
   end (gloo's error, or the engine leader's failure report over MPI), engine 0 restarts in place, every stage
   rebuilds its group under a new name and version 3 is sent again to both engines.
+
+The trainer ranks run under the device check (``MILEHPC_DEVICE_CHECK=nccl``): the update groups keep NCCL's rules,
+so a bucket that is not on the trainer's device fails the broadcast (issue 30, fault 1: the Megatron export was
+``t.cpu()``).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def test_real_sglang_beside_megatron_pp2_router_restarts_and_logprobs_agree(tmp_
         [eval]
         max_prompts = 4
         batch_size = 2
-    """, {"MILEHPC_FAULT": "scheduler:1@3,eval:1@2,sync:3@2"}, timeout=420)
+    """, {"MILEHPC_FAULT": "scheduler:1@3,eval:1@2,sync:3@2", "MILEHPC_DEVICE_CHECK": "nccl"}, timeout=420)
     tail = log[-4000:]
     assert records[0]["dist/mpi_world_size"] == 4 and records[0]["dist/trainer_world_size"] == 2
     assert [r["step"] for r in records] == [0, 1, 2, 3]

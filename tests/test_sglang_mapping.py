@@ -76,7 +76,7 @@ SGLANG_SERVER_ARGS_FIELDS = {
     "base_gpu_id", "random_seed", "port", "log_level", "dtype", "quantization", "enable_memory_saver",
     "mem_fraction_static", "enable_return_routed_experts", "speculative_algorithm", "speculative_draft_model_path",
     "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "load_format",
-    "custom_sigquit_handler", "enable_weights_cpu_backup",
+    "custom_sigquit_handler", "enable_weights_cpu_backup", "enable_draft_weights_cpu_backup",
 }
 SGLANG_QUANTIZATION_CHOICES_USED = {"fp8", "mxfp8"}  # both in server_args.QUANTIZATION_CHOICES
 
@@ -238,6 +238,26 @@ def test_server_args_are_sglang_fields_and_follow_the_spec_standin(tmp_path):
     assert (args["speculative_num_steps"], args["speculative_eagle_topk"], args["speculative_num_draft_tokens"]) \
         == (3, 4, 8)
     assert args["enable_weights_cpu_backup"] is True
+    # Colocated with a draft model: its weights survive the release (the update refills the target model only).
+    assert args["enable_draft_weights_cpu_backup"] is True
+
+
+def test_only_a_colocated_draft_model_is_backed_up_and_the_backup_is_milehpcs_to_set():
+    """Issue 30: a colocated EAGLE engine's release drops the draft's weights (no CPU copy), and the sync sends the
+    target model's only; separate rollout ranks never release, so they need no backup."""
+    spec = {"speculative": {"algorithm": "EAGLE", "draft_model_path": "/d", "num_steps": 3, "num_draft_tokens": 4}}
+    layout = sm.EngineLayout(0, 0, 1, None, 30000)
+    for colocate, want in ((True, True), (False, None)):
+        j = job(rollout={"options": spec}, resources={"colocate": colocate})
+        args = sm.server_args(j, parse_options(j.rollout.options), resolve_precision(j), layout, model_path="/m",
+                              tokenizer_path=None)
+        assert args.get("enable_draft_weights_cpu_backup") is want, colocate
+    colocated_plain = job(resources={"colocate": True})
+    args = sm.server_args(colocated_plain, parse_options({}), resolve_precision(colocated_plain), layout,
+                          model_path="/m", tokenizer_path=None)
+    assert "enable_draft_weights_cpu_backup" not in args  # no draft model, nothing to back up
+    with pytest.raises(ConfigError, match="server_args.enable_draft_weights_cpu_backup: set by milehpc"):
+        parse_options({"server_args": {"enable_draft_weights_cpu_backup": False}}, file="job.toml")
 
 
 @pytest.mark.parametrize(("options", "field", "text"), [

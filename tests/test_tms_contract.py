@@ -140,6 +140,7 @@ def test_contract_tms_checkpoint_runs_while_the_trainer_is_resident() -> None:
         with colo.train_region():
             colo.trainer = _Trainer(story)
         colo.initial_sync(0)
+        colo.offload_rollout()  # as generate_phase does: only released tags are resumed
         story.clear()
         native = inst.native
         native.events = story
@@ -155,3 +156,66 @@ def test_contract_tms_checkpoint_runs_while_the_trainer_is_resident() -> None:
         assert story == ["resume:train", "region:train", "trainer.train_step", "checkpoint", "pause:train",
                          "engine.resume_memory:weights", "engine.update_weights:1",
                          "engine.resume_memory:kv_cache,cuda_graph"]
+
+
+# ---- the memory: a paused region's tensors are unusable until resumed (csrc/core.cpp pause/resume) -------------
+def _saver_in_torch_mode(inst: tms_real.Installed) -> Any:
+    inst.saver.hook_mode = "torch"  # milehpc's mode (runtime/offload.py); preload would need LD_PRELOAD
+    return inst.saver
+
+
+def test_standin_tms_paused_tensors_fail_on_use_and_come_back_with_cpu_backup() -> None:
+    with tms_real.installed() as inst:
+        saver = _saver_in_torch_mode(inst)
+        outside = torch.ones(3)  # the default allocator: never paused
+        with saver.region("train", enable_cpu_backup=True):
+            layer = torch.nn.Linear(4, 4)
+            moments = torch.randn(4, 4)
+        weight, row = layer.weight.detach().clone(), layer.weight[0]  # a copy (outside any region) and a view
+        saver.pause("train")
+        assert layer.weight.untyped_storage().nbytes() == 0  # the memory is released, not just flagged
+        for use in (lambda: layer(torch.ones(1, 4)), lambda: moments.sum(), lambda: row + 1,
+                    lambda: moments.copy_(torch.zeros(4, 4)), lambda: layer.weight.detach().clone()):
+            with pytest.raises(tms_real.PausedTensorAccess, match="region 'train' .* paused"):
+                use()
+        assert float(outside.sum()) == 3.0 and torch.equal(weight + 0, weight)  # the rest of the process is fine
+        saver.resume("train")
+        assert torch.equal(layer.weight, weight) and torch.equal(row, weight[0])  # the CPU backup came back
+        layer(torch.ones(1, 4)).sum().backward()  # and the tensors are usable again, autograd included
+
+
+def test_standin_tms_resume_without_cpu_backup_gives_garbage_and_tags_pause_apart() -> None:
+    with tms_real.installed() as inst:
+        saver = _saver_in_torch_mode(inst)
+        with saver.region("kv"):  # no CPU backup: what comes back is new memory (csrc/core.cpp resume)
+            kv = torch.zeros(8)
+            ids = torch.arange(4)
+        with saver.region("train", enable_cpu_backup=True):
+            w = torch.ones(2)
+        saver.pause("kv")
+        assert float(w.sum()) == 2.0  # another tag stays usable
+        with pytest.raises(tms_real.PausedTensorAccess, match="'kv'"):
+            kv.add_(1)
+        saver.resume("kv")
+        assert bool(kv.isnan().all()) and ids.tolist() == [-1] * 4  # uninitialised: never the old zeros
+        saver.pause(None)  # every tag
+        with pytest.raises(tms_real.PausedTensorAccess):
+            w.sum()
+        saver.resume(None)
+        assert w.tolist() == [1.0, 1.0]
+
+
+def test_standin_tms_colocated_trainer_is_unusable_between_offload_and_onload() -> None:
+    """milehpc's driver: the trainer built in ``train_region`` is paused by ``offload_train`` (its weights cannot be
+    read, as on a GPU) and whole again after ``onload_train`` (the region backs up)."""
+    with tms_real.installed():
+        story: list[str] = []
+        colo = ColocatedStep(_Engine(story), None, torch_memory_saver_backend(), memory_probe=lambda: 0)
+        with colo.train_region():
+            colo.trainer = _Trainer(story)
+            colo.trainer.w.mul_(3)
+        colo.initial_sync(0)
+        with pytest.raises(tms_real.PausedTensorAccess):
+            colo.trainer.export_weights()[0][1].sum()
+        colo.onload_train()
+        assert colo.trainer.w.tolist() == [3.0, 3.0]

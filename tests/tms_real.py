@@ -11,6 +11,13 @@ Where 0.0.10 stops on a CPU machine (first ``region``/``pause``/``resume``, in `
   (a ``str`` where the C side wants ``char*`` is refused as ctypes refuses it);
 * behind it a small model of the native state (``csrc/entrypoint.cpp`` thread-local config, ``csrc/core.cpp``
   pause/resume) raises :class:`NativeAbort` where the library would ``exit(1)``;
+* the memory itself (:class:`MemoryGuard`): every storage allocated inside a region (in the saver's pool, with the
+  region config on) is recorded with its tag and backup setting, as ``tms_torch_malloc`` records it. ``pause(tag)``
+  does what ``csrc/core.cpp`` ``TorchMemorySaver::pause`` does: copies the bytes out only when the region had
+  ``enable_cpu_backup``, then releases the memory (the storage is resized to 0 bytes); any op on a paused tensor
+  raises :class:`PausedTensorAccess` (on a GPU: an illegal memory access that poisons the CUDA context).
+  ``resume(tag)`` maps fresh memory back: the backed-up bytes, else garbage (all bits set: NaN for floats), as
+  ``TorchMemorySaver::resume`` maps new physical memory without initialising it;
 * the allocator and device-module fakes bind their calls against the real torch signatures.
 
 Used in-process by tests/test_tms_contract.py (:func:`installed`) and, for subprocesses, by the loader in
@@ -28,6 +35,7 @@ import os
 import struct
 import sys
 import types
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +86,139 @@ def exported_functions(path: str | os.PathLike[str]) -> set[str]:
 # ---- the native side -----------------------------------------------------------------------------------------
 class NativeAbort(AssertionError):
     """Where the real library would end the process (``exit(1)`` / ``SIMPLE_CHECK``)."""
+
+
+class PausedTensorAccess(RuntimeError):
+    """An op read or wrote a tensor whose memory is paused (a GPU: illegal memory access, CUDA context lost)."""
+
+
+GARBAGE = 0xFF  # what a resume without CPU backup leaves: never zeros a test could mistake for real weights
+
+
+class _Allocation:
+    """One storage allocated inside a region: its tag, whether the region backs it up, its bytes while paused."""
+
+    def __init__(self, storage: Any, tag: str, cpu_backup: bool) -> None:
+        self.storage = weakref.ref(storage)  # the tensor's death frees it (tms_torch_free), not the record
+        self.tag, self.cpu_backup = tag, cpu_backup
+        self.nbytes = storage.nbytes()
+        self.backup: Any = None
+        self.paused = False
+
+
+class MemoryGuard:
+    """The allocations of every region and the state of their memory, for the process (one per thread stack: the
+    ``TorchDispatchMode`` below is pushed on the thread that first uses the saver).
+
+    Records while a region is open (:meth:`recording`); refuses any op with a paused input. Its own copies run with
+    ``busy`` set."""
+
+    def __init__(self) -> None:
+        self.by_storage: weakref.WeakKeyDictionary[Any, _Allocation] = weakref.WeakKeyDictionary()
+        self.region: Native | None = None  # the library whose pool is in use (``use_mem_pool``)
+        self.paused = 0  # how many allocations are paused (the fast path of every op)
+        self.busy = False
+        self.mode: Any = None
+
+    def ensure_pushed(self) -> None:
+        """Push the checking mode on this thread's dispatch stack at the saver's first use, not at import: SGLang's
+        scheduler processes import the package with memory saving off and must run unobserved."""
+        if self.mode is None:
+            from torch.utils._python_dispatch import _push_mode
+
+            self.mode = _guard_mode(self)
+            _push_mode(self.mode)
+
+    def pop(self) -> None:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode
+
+        if self.mode is not None:
+            assert _get_current_dispatch_mode() is self.mode, "another dispatch mode left on top of the guard"
+            _pop_mode()
+            self.mode = None
+
+    def check(self, func: Any, tensors: list[Any]) -> None:
+        for t in tensors:
+            rec = self.by_storage.get(t.untyped_storage())
+            if rec is not None and rec.paused:
+                raise PausedTensorAccess(
+                    f"{func}: a tensor allocated in torch_memory_saver region {rec.tag!r} is used while that tag is "
+                    f"paused (on a GPU: an illegal memory access; resume({rec.tag!r}) first)")
+
+    def record(self, new: list[Any]) -> None:
+        native = self.region
+        if native is None or not native.config["interesting_region"]:
+            return
+        tag = native.config["current_tag"].decode()
+        for st in new:
+            if st.nbytes() and st not in self.by_storage:
+                self.by_storage[st] = _Allocation(st, tag, bool(native.config["enable_cpu_backup"]))
+
+    def _bytes_of(self, storage: Any) -> Any:
+        import torch
+
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+    def pause(self, tag: str | None) -> None:
+        """``TorchMemorySaver::pause``: back up (only with cpu backup), then release the memory."""
+        self.busy = True
+        try:
+            for rec in list(self.by_storage.values()):
+                st = rec.storage()
+                if st is None or rec.paused or (tag is not None and rec.tag != tag):
+                    continue
+                rec.backup = self._bytes_of(st).clone() if rec.cpu_backup else None
+                rec.nbytes = st.nbytes()
+                with contextlib.suppress(RuntimeError):  # a non-resizable storage: the guard alone keeps it out
+                    st.resize_(0)
+                rec.paused = True
+                self.paused += 1
+        finally:
+            self.busy = False
+
+    def resume(self, tag: str | None) -> None:
+        """``TorchMemorySaver::resume``: fresh memory, the backed-up bytes copied in, else left uninitialised."""
+        self.busy = True
+        try:
+            for rec in list(self.by_storage.values()):
+                st = rec.storage()
+                if st is None or not rec.paused or (tag is not None and rec.tag != tag):
+                    continue
+                if st.nbytes() != rec.nbytes:
+                    st.resize_(rec.nbytes)
+                view = self._bytes_of(st)
+                if rec.backup is not None:
+                    view.copy_(rec.backup)
+                else:
+                    view.fill_(GARBAGE)
+                rec.backup, rec.paused = None, False
+                self.paused -= 1
+        finally:
+            self.busy = False
+
+
+def _guard_mode(guard: MemoryGuard) -> Any:
+    """The ``TorchDispatchMode`` behind :class:`MemoryGuard` (built lazily: torch is imported on first use)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types_: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if guard.busy or (not guard.paused and guard.region is None):
+                return func(*args, **kwargs)
+            inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            if guard.paused:
+                guard.check(func, inputs)
+            out = func(*args, **kwargs)
+            if guard.region is not None:  # new storages only: views and in-place results share an input's
+                seen = {id(a.untyped_storage()) for a in inputs}
+                guard.record([o.untyped_storage() for o in tree_flatten(out)[0]
+                              if isinstance(o, torch.Tensor) and id(o.untyped_storage()) not in seen])
+            return out
+
+    return _Mode()
 
 
 class Native:
@@ -131,6 +272,8 @@ class Native:
                 raise NativeAbort(f"{what}({tag!r}) with tag {name!r} {self.tags[name]}: the library exits(1) "
                                   f"(csrc/core.cpp TorchMemorySaver::{what})")
             self.tags[name] = then
+        _STATE.guard.ensure_pushed()
+        (_STATE.guard.pause if what == "pause" else _STATE.guard.resume)(tag)
         self.event(what, tag)
         return 0  # cudaSuccess
 
@@ -213,7 +356,14 @@ class FakeDeviceModule:
     def use_mem_pool(self, *args: Any, **kwargs: Any) -> Iterator[None]:
         _bound(self._real.use_mem_pool, args, kwargs)
         assert args[0] in self.pools, "use_mem_pool of a pool MemPool did not make"
-        yield
+        # Allocations now come from the library's allocator: the guard records them (with the region's config).
+        guard = _STATE.guard
+        guard.ensure_pushed()
+        outer, guard.region = guard.region, _STATE.native_for(args[0]["kwargs"]["allocator"][1])
+        try:
+            yield
+        finally:
+            guard.region = outer
 
     def current_device(self, *args: Any, **kwargs: Any) -> int:
         _bound(self._real.current_device, args, kwargs)
@@ -226,6 +376,7 @@ class _State:
     def __init__(self) -> None:
         self.log_dir: str | None = None
         self.natives: dict[str, Native] = {}
+        self.guard = MemoryGuard()
 
     def native_for(self, path: str) -> Native:
         if path not in self.natives:
@@ -288,8 +439,9 @@ def installed() -> Iterator[Installed]:
     device = FakeDeviceModule()
     saver = torch_memory_saver.TorchMemorySaver()
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in _patches(device)]
-    old_saver, old_natives = torch_memory_saver.torch_memory_saver, dict(_STATE.natives)
+    old_saver, old_natives, old_guard = torch_memory_saver.torch_memory_saver, dict(_STATE.natives), _STATE.guard
     _STATE.natives.clear()
+    _STATE.guard = MemoryGuard()
     try:
         for obj, name, fake in _patches(device):
             setattr(obj, name, fake)
@@ -301,6 +453,8 @@ def installed() -> Iterator[Installed]:
         torch_memory_saver.torch_memory_saver = old_saver
         _STATE.natives.clear()
         _STATE.natives.update(old_natives)
+        _STATE.guard.pop()
+        _STATE.guard = old_guard
 
 
 def install_for_process(log_dir: str | None) -> None:

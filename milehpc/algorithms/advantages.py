@@ -80,10 +80,10 @@ def group_stats(scores: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tens
     n_groups = int(inverse.max()) + 1
     s = scores.to(torch.float64)  # the sums below stay exact enough for hand-checked tests
     w = torch.ones_like(s) if valid is None else valid.to(s.dtype)
-    count = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, w)
-    total = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, s * w)
+    count = torch.zeros(n_groups, dtype=s.dtype, device=s.device).scatter_add_(0, inverse, w)
+    total = torch.zeros(n_groups, dtype=s.dtype, device=s.device).scatter_add_(0, inverse, s * w)
     mean = total / count.clamp(min=1)
-    sq = torch.zeros(n_groups, dtype=s.dtype).scatter_add_(0, inverse, (s - mean[inverse]).square() * w)
+    sq = torch.zeros(n_groups, dtype=s.dtype, device=s.device).scatter_add_(0, inverse, (s - mean[inverse]).square() * w)
     std = (sq / (count - 1).clamp(min=1)).sqrt()
     lone = count <= 1
     mean = torch.where(lone, torch.zeros_like(mean), mean)

@@ -101,22 +101,20 @@ class WeightSyncGroup:
     def wait(self, work: Any, what: str, timeout: float | None = None) -> None:
         """Wait for a broadcast with a deadline; a dead or stuck member ends it with a message naming the rank.
 
-        Waits in slices of at most 1 s on the backend's own condition variable (woken the moment the op completes,
-        no polling latency per bucket) and checks between slices whether another rank reported a failure."""
+        Polls ``work.is_completed()`` (and, between polls, whether another rank reported a failure), then a plain
+        ``work.wait()`` that raises the backend's error, if any. Never ``work.wait(timeout)``: NCCL's
+        ``WorkNCCL::wait`` measures that timeout from the enqueue and, once past, aborts the communicator and
+        throws (ProcessGroupNCCL.cpp, ``WorkNCCL::checkTimeout`` / ``synchronizeInternal``), so waiting in short
+        slices would kill every bucket still in flight a slice after it was queued."""
         timeout = self.comms.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            self.comms.check()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                peers = [r for r in self.ranks if r != self.rank]
-                raise self.comms.fail(f"{what}: not complete after {timeout:.0f} s (group of {_ranks_text(peers)})")
-            try:
-                work.wait(timedelta(seconds=min(left, 1.0)))
-                return
-            except RuntimeError as err:  # a slice ran out, or the op failed (a peer died: let the watchdog say who)
-                if work.is_completed() or "timed out" not in str(err).lower():
-                    raise self.comms.explain(err, what) from None
+        peers = [r for r in self.ranks if r != self.rank]
+        self.comms.poll(work.is_completed, timeout,
+                        lambda: f"{what}: not complete after {timeout:.0f} s (group of {_ranks_text(peers)})",
+                        lambda: peers)
+        try:
+            work.wait()
+        except RuntimeError as err:  # the op failed (a peer died: let the watchdog say who)
+            raise self.comms.explain(err, what) from None
 
 
 # The longest sleep between polls. A waiting rank (the rollout rank between generations, the trainer before a batch)

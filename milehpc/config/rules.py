@@ -10,6 +10,9 @@ implementations) and lower layers; nothing here imports torch, an engine or a tr
 
 Every rule has a case in ``tests/test_config_rules.py`` and a file in ``tests/corpus/jobs/`` whose header names it
 (``# rule: <function name>``); a rule added to :data:`RULES` without them fails the tests.
+
+:data:`SITE_RULES` hold the job against the partition it runs on (its ``devices``): what that partition's GPUs or
+the container shipped for them cannot run (tests/test_rocm_site_rules.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from milehpc.errors import ConfigError
 
 if TYPE_CHECKING:
     from milehpc.config.job import JobSpec
+    from milehpc.config.site import Partition
     from milehpc.plugin_types import AdvantageEstimator
 
 Rule = Callable[["JobSpec", "str | None"], None]
@@ -516,3 +520,64 @@ def check_single_process(job: JobSpec, *, file: str | None = None) -> None:
     if job.run.loop != "sync":
         raise ConfigError(f"expected run.loop = 'sync' for a single-process run, got {job.run.loop!r}", file=file,
                           field="run.loop")
+
+
+# ---- the job on the site's devices -----------------------------------------------------------------------------
+SiteRule = Callable[["JobSpec", "Partition", "str | None"], None]
+ROCM_CONTAINER = "containers/milehpc-rocm.def"
+
+
+def _cuda_capability(arch: str) -> int | None:
+    """``sm_90`` -> 90 (compute capability 9.0); None for an arch that is not an NVIDIA ``sm_NN``."""
+    import re
+
+    m = re.fullmatch(r"sm_(\d+)[a-z]?", arch)
+    return int(m.group(1)) if m else None
+
+
+def mxfp8_needs_sm100(job: JobSpec, partition: Partition, file: str | None) -> None:
+    """trainer.fp8_recipe × devices.arch: transformer-engine runs MXFP8BlockScaling only on compute capability
+    >= 10.0 (``transformer_engine/pytorch/fp8.py`` ``check_mxfp8_support``); on a Hopper it fails at the first
+    FP8 GEMM, after the job has queued and loaded."""
+    if job.trainer.precision != "fp8" or job.trainer.fp8_recipe != "mxfp8" or partition.devices.vendor != "nvidia":
+        return
+    cc = _cuda_capability(partition.devices.arch)
+    if cc is not None and cc < 100:
+        raise ConfigError(f"expected an fp8_recipe for devices.arch = {partition.devices.arch!r} of the site "
+                          "partition ('delayed', 'tensorwise' or 'blockwise'; mxfp8 needs compute capability >= 10.0, "
+                          "sm_100), got 'mxfp8'", file=file, field="trainer.fp8_recipe")
+
+
+def amd_has_no_transformer_engine(job: JobSpec, partition: Partition, file: str | None) -> None:
+    """devices.vendor × trainer.precision × trainer.options.transformer_engine: transformer-engine on PyPI is
+    CUDA-only and the ROCm container has none, so FP8 (TE's GEMMs) or an explicit TE spec cannot build there;
+    bf16 Megatron takes the local spec (milehpc.train.megatron.model.te_spec_choice)."""
+    if partition.devices.vendor != "amd" or job.trainer.backend != "megatron":
+        return
+    if job.trainer.precision == "fp8":
+        raise ConfigError(f"expected 'bf16' or 'fp32' on an AMD partition (FP8 needs transformer-engine, which "
+                          f"{ROCM_CONTAINER} does not have), got 'fp8'", file=file, field="trainer.precision")
+    if _trainer_options(job, file)["transformer_engine"]:
+        raise ConfigError(f"expected false or unset on an AMD partition ({ROCM_CONTAINER} has no "
+                          "transformer-engine; bf16 runs on the local layer spec), got true", file=file,
+                          field="trainer.options.transformer_engine")
+
+
+def amd_has_no_colocation(job: JobSpec, partition: Partition, file: str | None) -> None:
+    """devices.vendor × resources.colocate × rollout.engine: a colocated SGLang engine pauses the trainer with
+    torch_memory_saver, whose 0.0.10 wheel holds CUDA builds only (every ``.so`` needs libcuda.so.1 and libcudart;
+    ROCm needs a hipcc build from the sdist, which no shipped container makes), so the first pause would fail on the
+    node. The reference engine offloads nothing (:func:`milehpc.runtime.offload.for_job`) and may colocate."""
+    if partition.devices.vendor == "amd" and job.resources.colocate and job.rollout.engine == "sglang":
+        raise ConfigError("expected false on an AMD partition (torch_memory_saver's wheel is CUDA-only and "
+                          f"{ROCM_CONTAINER} builds none for HIP: run the trainer and the engines on their own "
+                          "GPUs) for rollout.engine = 'sglang', got true", file=file, field="resources.colocate")
+
+
+SITE_RULES: tuple[SiteRule, ...] = (mxfp8_needs_sm100, amd_has_no_transformer_engine, amd_has_no_colocation)
+
+
+def check_site_rules(job: JobSpec, partition: Partition, *, file: str | None = None) -> None:
+    """The job against its partition's devices (login node, with the job rules); the first broken is one line."""
+    for rule in SITE_RULES:
+        rule(job, partition, file)

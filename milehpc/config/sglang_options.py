@@ -73,7 +73,9 @@ class SGLangOptions:
 RESERVED_SERVER_ARGS = {
     "model_path": "model.path", "tokenizer_path": "model.tokenizer", "tp_size": "rollout.gpus_per_engine",
     "nnodes": "rollout.gpus_per_engine", "node_rank": "the rank layout", "dist_init_addr": "the rank layout",
-    "base_gpu_id": "the rank layout", "dtype": "trainer.precision", "quantization": "trainer.precision",
+    "base_gpu_id": "the rank layout", "gpu_id_step": "the rank layout",
+    "enable_draft_weights_cpu_backup": "resources.colocate with rollout.options.speculative",
+    "dtype": "trainer.precision", "quantization": "trainer.precision",
     "enable_memory_saver": "resources.colocate", "enable_return_routed_experts": "rollout.options.return_routed_experts",
     "random_seed": "run.seed", "skip_tokenizer_init": "rollout.stop",
     "speculative_algorithm": "rollout.options.speculative", "speculative_draft_model_path": "rollout.options.speculative",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from milehpc.config.job import JobSpec, wandb_mode
 from milehpc.config.load import job_label, load_job, load_site
-from milehpc.config.rules import check_job_rules
+from milehpc.config.rules import check_job_rules, check_site_rules
 from milehpc.config.schema import to_dict
 from milehpc.config.site import Partition, Site
 from milehpc.errors import ConfigError
@@ -59,6 +59,7 @@ def prepare(job_file: str, site_name: str, overrides: tuple[str, ...] = (), *, r
     # The rules that span several tables (milehpc.config.rules): here, so submit, render, plan, run, --resume and
     # --sweep all refuse a job that can only fail before it queues.
     check_job_rules(job, file=job_label(job_file, overrides))
+    check_site_rules(job, partition, file=job_label(job_file, overrides))  # what the partition's GPUs cannot run
     if "wandb" in job.logging.loggers:  # online W&B needs a site whose compute nodes have network
         wandb_mode(str(job.logging.params.get("wandb", {}).get("mode", "auto")), partition.network, file=job_file)
     # The sandbox the ranks will use: the job's [sandbox] over the site partition's (the job alone cannot say).

@@ -11,10 +11,10 @@ engine has to be reachable from other nodes, and load balancing across engines i
 SGLang's scheduler (one subprocess per GPU) and detokenizer run as children of the rank, so the engine is still
 out-of-process for crash purposes: :meth:`health` watches those children and :meth:`restart` replaces them in place.
 
-``gpus_per_engine > 1`` (tensor parallel over several MPI ranks): Slurm binds one GPU to each rank, so each rank of
-the engine starts ``sglang.Engine(tp_size=N, nnodes=N, node_rank=r, dist_init_addr=leader:port, base_gpu_id=0)``
-and drives its own GPU as one SGLang "node"; with ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` the non-leader
-``Engine`` returns once its scheduler is ready (python/sglang/srt/entrypoints/engine.py ``_launch_subprocesses``),
+``gpus_per_engine > 1`` (tensor parallel over several MPI ranks): each rank drives one GPU, so each rank of the
+engine starts ``sglang.Engine(tp_size=N, nnodes=N, node_rank=r, dist_init_addr=leader:port, base_gpu_id=g)`` and
+drives its own GPU ``g`` (:func:`base_gpu_id`) as one SGLang "node"; with ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0``
+the non-leader ``Engine`` returns once its scheduler is ready (python/sglang/srt/entrypoints/engine.py ``_launch_subprocesses``),
 and only the leader (``node_rank == 0``, which owns the tokenizer manager) takes requests.
 
 Weight sync (the trainer is the source):
@@ -723,9 +723,10 @@ class SGLangEngine:
     def weight_version(self) -> int:
         return self.version
 
-    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor | None]]:
         """The last synced weights, read back from the engine: the first ``check_weights_truncate`` elements of each
         (``Engine.get_weights_by_name(name, truncate_size)``); compare against the trainer's flattened prefix.
+        A name the engine cannot read back comes with None (a weight check fails on it: unreadable is unverified).
         With LoRA: the adapter as handed to ``load_lora_adapter_from_tensors`` and its scaling, in the sync's names
         (SGLang 0.5.23 cannot read a loaded adapter back; the logprob check after each sync is the evidence that it
         serves it)."""
@@ -745,9 +746,11 @@ class SGLangEngine:
             values = self._call("get_weights_by_name", self._engine.get_weights_by_name, name,
                                 truncate_size=self.opts.check_weights_truncate)
             if values is None:
-                # Models without get_weights_by_name (Qwen2 in sglang 0.5.23) answer None: leave the name out, so a
-                # weight check reports it missing instead of crashing; the logprob check still covers the sync.
+                # Models without get_weights_by_name (every Qwen class in sglang 0.5.23: model_runner_components/
+                # weight_exporter.py) answer None. The name is kept, with None, so a weight check fails on it
+                # (milehpc.weights.check) instead of passing without it; the logprob check still covers the sync.
                 self.unreadable.add(name)
+                yield name, None
                 continue
             yield name, torch.as_tensor(values).flatten()
 
@@ -841,7 +844,17 @@ def engine_layout(ctx: Any) -> sm.EngineLayout:
             mine = f"{host}:{free_port()}"
         addr = ctx.comms.bcast(mine, leader, members, what=f"engine {engine}'s SGLang rendezvous address")
     return sm.EngineLayout(engine=engine, engine_rank=engine_rank, gpus_per_engine=plan.gpus_per_engine,
-                           dist_init_addr=addr, port=port)
+                           dist_init_addr=addr, port=port, base_gpu_id=base_gpu_id(ctx))
+
+
+def base_gpu_id(ctx: Any) -> int:
+    """The GPU (as this process sees it) this rank's SGLang scheduler takes: the one the rank was bound to at start-up
+    (:func:`milehpc.comm.devices.bind_device`, the trainer's too when colocated), else the plan's for the site's
+    GPU binding; 0 without GPUs."""
+    device = getattr(ctx.comms, "device", None)
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return int(device.index)
+    return ctx.plan.device_index(ctx.comms.rank) or 0
 
 
 def from_context(ctx: Any, *, engine_factory: Any = None) -> SGLangEngine:

@@ -84,9 +84,15 @@ def adapter_name(version: int, load: int, adapter: str | None = None) -> str:
 
 def split_adapters(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str | None, list[tuple[str, torch.Tensor]]]:
     """A sync's tensors by adapter, each in the single adapter's names (``m.lora_A.NAME.weight`` -> ``NAME``:
-    ``m.lora_A.weight``, ``lora.scaling.NAME`` -> ``NAME``: ``lora.scaling``); one adapter's sync is all under None."""
+    ``m.lora_A.weight``, ``lora.scaling.NAME`` -> ``NAME``: ``lora.scaling``); one adapter's sync is all under None.
+
+    Each tensor is copied (to host memory) as it arrives: ``named`` may be a
+    :class:`~milehpc.weights.broadcast.WeightStream`, whose tensors are views of two receive buffers that the next
+    buckets overwrite, and an adapter spans many buckets (each tensor of >= 1 MiB is a bucket of its own). An
+    adapter is small next to the model, so holding it whole costs little."""
     out: dict[str | None, list[tuple[str, Any]]] = {}
-    for name, tensor in named:
+    for name, received in named:
+        tensor = received.detach().to("cpu", copy=True)
         adapter, plain = None, name
         if name.startswith(LORA_SCALING + "."):
             adapter, plain = name.removeprefix(LORA_SCALING + "."), LORA_SCALING

@@ -85,6 +85,7 @@ class EngineLayout:
     gpus_per_engine: int  # SGLang tp_size == nnodes (one GPU per rank)
     dist_init_addr: str | None  # host:port of the engine leader (multi-rank engines only)
     port: int  # the engine's own (unused) HTTP port, unique per engine on a node
+    base_gpu_id: int = 0  # this rank's GPU among those its process sees (Plan.device_index)
 
 
 def server_args(job: JobSpec, opts: SGLangOptions, precision: Precision, layout: EngineLayout, *,
@@ -105,10 +106,15 @@ def server_args(job: JobSpec, opts: SGLangOptions, precision: Precision, layout:
     }
     if tokenizer_path:
         args["tokenizer_path"] = tokenizer_path
+    # SGLang's scheduler takes GPU ``base_gpu_id + (tp_rank % tp_size_per_node) * gpu_id_step`` (sglang 0.5.23
+    # entrypoints/engine.py ``_launch_scheduler_processes``); every milehpc rank is an SGLang "node" of one GPU
+    # (tp_size_per_node = 1), so the scheduler's GPU is ``base_gpu_id``: the rank's own GPU as its process sees it
+    # (0 under per-task binding, the node-local index under per-node binding: SGLang's default 0 would put every
+    # engine of a node, and a colocated engine beside a trainer on another GPU, on GPU 0).
+    args["base_gpu_id"] = layout.base_gpu_id
     if layout.gpus_per_engine > 1:
-        # Each MPI rank sees the GPU Slurm bound to it, so every rank is an SGLang "node" of one GPU.
         args.update(nnodes=layout.gpus_per_engine, node_rank=layout.engine_rank,
-                    dist_init_addr=layout.dist_init_addr, base_gpu_id=0)
+                    dist_init_addr=layout.dist_init_addr)
     if job.resources.colocate:
         args["enable_memory_saver"] = True
     mem = opts.mem_fraction_static if opts.mem_fraction_static is not None else (0.5 if job.resources.colocate
@@ -119,6 +125,11 @@ def server_args(job: JobSpec, opts: SGLangOptions, precision: Precision, layout:
         args["enable_return_routed_experts"] = True
     if opts.spec is not None:
         args.update(opts.spec.server_args())
+        if job.resources.colocate:
+            # A colocated engine releases its weights without a copy (the update refills them), but the update
+            # carries the target model only: SGLang keeps the draft model's weights across a release only with this
+            # (model_runner_components/load_model_utils.py: the draft's weights region gets enable_cpu_backup).
+            args["enable_draft_weights_cpu_backup"] = True
     args.update(opts.server_args)
     return args
 

@@ -121,6 +121,7 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
         comms.close()
         if rank == 0:
             _mark_done(run_dir)
+        _end_past_the_saver()
     except RequeueExit as err:  # every rank checkpointed on request (runtime.signals): end quietly with 75
         if comms is not None:
             comms.watchdog.stop()
@@ -133,11 +134,28 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
             comms.close()
             if rank == 0:
                 _mark_done(run_dir)
+            _end_past_the_saver()
             return
         _fail(comms, rank, f"exited with status {code} (sys.exit in the entry)", code or 1)
     except (Exception, KeyboardInterrupt) as err:  # a bug or an interrupt: show where, and end the others too
         traceback.print_exc()
         _fail(comms, rank, f"{type(err).__name__}: {err}", 1)
+
+
+def _end_past_the_saver() -> None:
+    """A colocated rank's clean end: the interpreter's teardown would fail in torch_memory_saver (see
+    :func:`milehpc.runtime.offload.end_process`), so a rank that used it ends here with 0."""
+    import sys
+
+    if "torch_memory_saver" in sys.modules:
+        from milehpc.runtime.offload import end_process, saver_initialised
+
+        if saver_initialised():
+            from mpi4py import MPI
+
+            if MPI.Is_initialized() and not MPI.Is_finalized():
+                MPI.Finalize()  # what the skipped teardown would do: a rank ending without it fails under mpirun
+            end_process(0)
 
 
 def _mark_done(run_dir: str | os.PathLike[str]) -> None:

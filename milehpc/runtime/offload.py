@@ -28,10 +28,15 @@ The order is Miles' (radixark/miles ``train.py``, default ``colocate_memory_peak
     (one pause per resume, no ``train_region`` while paused) so those calls never reach the library.
   - ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` makes the first call raise (``entrypoint.py``
     ``_sanity_checks``).
+* **start-up**: the engine is released right after it is created, before the trainer is built and warmed up
+  (slime's ``create_rollout_manager`` offloads the engines at once), and the first update onloads it as every later
+  one does: the start-up peak is each side alone, which is what :mod:`milehpc.memory` checks.
 * **the update** reads the trainer's weights from a pinned CPU snapshot taken at the end of training
   (:class:`milehpc.weights.inplace.HostSnapshot`), uploads them *outside* any paused region and hands them to the
   engine (``update_weights_from_tensor``: CUDA IPC handles, no copy through NCCL), so the trainer can be paused
-  before the rollout weights come back (the peak never holds both models' optimizer-sized state).
+  before the rollout weights come back (the peak never holds both models' optimizer-sized state). Every rank's
+  engine takes the whole model: a trainer that exports a part per rank (Megatron: each stage on its leader) has
+  the parts broadcast to every rank first (:func:`milehpc.weights.inplace.whole_model`).
 * **communicators**: NCCL communicators allocate their buffers outside PyTorch's allocator, so pausing a region
   does not free them. :class:`ReloadableGroups` destroys the trainer's NCCL groups with the trainer's memory and
   rebuilds them (same ranks, same order) when training resumes, as slime's ``reloadable_process_group`` does.
@@ -51,11 +56,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from milehpc.errors import RuntimeFailure, missing_dependency
-from milehpc.rollout.sglang_mapping import ONLOAD_AFTER_UPDATE, ONLOAD_BEFORE_UPDATE
+from milehpc.rollout.sglang_mapping import OFFLOAD_TAGS, ONLOAD_AFTER_UPDATE, ONLOAD_BEFORE_UPDATE
 from milehpc.weights.inplace import HostSnapshot
 
 if TYPE_CHECKING:
-    pass
+    from milehpc.weights.converters import NamedTensors
 
 TRAIN_TAG = "train"
 T = TypeVar("T")
@@ -81,6 +86,11 @@ def torch_memory_saver_backend(hook_mode: str = "torch") -> MemorySaver:
 
     if importlib.util.find_spec("torch_memory_saver") is None:
         raise missing_dependency("resources.colocate = true", "torch-memory-saver")
+    if importlib.util.find_spec("megatron.core") is not None:
+        # megatron-core 0.16.1 sets ``torch_memory_saver.hook_mode`` when imported (inference/contexts/
+        # dynamic_context.py); after the saver's first region that setter raises, so a Megatron trainer built
+        # inside the region would fail at its import: import it before the saver is used.
+        import megatron.core  # noqa: F401
     from torch_memory_saver import torch_memory_saver
 
     impl = getattr(torch_memory_saver, "_impl", None)
@@ -96,6 +106,31 @@ def torch_memory_saver_backend(hook_mode: str = "torch") -> MemorySaver:
     return torch_memory_saver
 
 
+def saver_initialised() -> bool:
+    """Whether this process has used torch_memory_saver (its first region/pause/resume builds ``_impl``)."""
+    import sys
+
+    saver = getattr(sys.modules.get("torch_memory_saver"), "torch_memory_saver", None)
+    return getattr(saver, "_impl", None) is not None
+
+
+def end_process(code: int) -> None:
+    """End a process that used torch_memory_saver without the interpreter's teardown. In torch hook mode the
+    region's ``MemPool`` hands its segments back through ``tms_torch_free`` when it is destroyed at exit, outside any
+    region, where 0.0.10's ``SIMPLE_CHECK(is_interesting_region)`` ends the process with status 1 (csrc/entrypoint.cpp;
+    seen on an H200 after a run that had succeeded): a finished job would read as failed. The atexit handlers run
+    first (logging, flushes); the GPU memory goes back to the driver with the process."""
+    import atexit
+    import os
+    import sys
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def gpu_used_bytes() -> int:
     """Device memory in use (all processes) on the current GPU: what a release frees for the other side."""
     import torch
@@ -104,6 +139,15 @@ def gpu_used_bytes() -> int:
         return 0
     free, total = torch.cuda.mem_get_info()
     return int(total - free)
+
+
+class GroupMemory(Protocol):
+    """Communicator memory freed while the trainer is paused: :class:`ReloadableGroups` or
+    :class:`milehpc.comm.nccl_memory.CommunicatorMemory`."""
+
+    def release(self) -> None: ...
+
+    def restore(self) -> None: ...
 
 
 class ReloadableGroups:
@@ -156,14 +200,20 @@ class StepReport:
         return out
 
 
-def for_job(job: Any, engine: Any, *, device: Any = None, rank: int | None = None) -> ColocatedStep | None:
+def for_job(job: Any, engine: Any, *, device: Any = None, rank: int | None = None,
+            share: Callable[[NamedTensors], NamedTensors] | None = None) -> ColocatedStep | None:
     """The colocated driver for a job whose engine offloads (SGLang), else None (the CPU reference engine shares
-    nothing worth offloading). Build the trainer inside ``step.train_region()``; per step the loop then calls
-    :meth:`ColocatedStep.generate_phase` and :meth:`ColocatedStep.train_phase`. ``rank``: this MPI rank, for the
-    log line of an engine death."""
+    nothing worth offloading). Release the engine (:meth:`ColocatedStep.offload_rollout`) and build the trainer
+    inside ``step.train_region()``; per step the loop then calls :meth:`ColocatedStep.generate_phase` and
+    :meth:`ColocatedStep.train_phase`. ``rank``: this MPI rank, for the log line of an engine death; ``share``: what
+    turns this rank's export into the whole model (:func:`milehpc.weights.inplace.whole_model`)."""
     if not (job.resources.colocate and job.rollout.engine == "sglang"):
         return None
-    return ColocatedStep(engine, None, torch_memory_saver_backend(), device=device, rank=rank)
+    from milehpc.comm.nccl_memory import CommunicatorMemory
+
+    # the trainer's NCCL buffers live outside the paused region: suspended with it where NCCL allows (>= 2.29.7)
+    return ColocatedStep(engine, None, torch_memory_saver_backend(), device=device, rank=rank, share=share,
+                         groups=CommunicatorMemory())
 
 
 class ColocatedStep:
@@ -171,18 +221,22 @@ class ColocatedStep:
 
     ``engine`` implements :class:`milehpc.rollout.engine.Engine` (``release_memory``, ``resume_memory(tags)``,
     ``update_weights``); ``trainer`` implements :class:`milehpc.train.base.Trainer` and must have been *built*
-    inside :meth:`train_region` so its parameters live in the pausable region.
+    inside :meth:`train_region` so its parameters live in the pausable region. ``share`` maps this rank's export
+    to the whole model when the trainer exports a part per rank (Megatron); every rank's engine loads all of it.
     """
 
     def __init__(self, engine: Any, trainer: Any, saver: MemorySaver, *, device: Any = None,
-                 groups: ReloadableGroups | None = None, memory_probe: Callable[[], int] = gpu_used_bytes,
-                 clock: Callable[[], float] = time.perf_counter, rank: int | None = None) -> None:
+                 groups: GroupMemory | None = None, memory_probe: Callable[[], int] = gpu_used_bytes,
+                 clock: Callable[[], float] = time.perf_counter, rank: int | None = None,
+                 share: Callable[[NamedTensors], NamedTensors] | None = None) -> None:
         self.engine, self.trainer, self.saver = engine, trainer, saver
-        self.rank = rank
+        self.rank, self.share = rank, share
         self.device, self.groups = device, groups
         self.memory_probe, self.clock = memory_probe, clock
         self.train_paused = False
-        self.engine_resident = False  # restarted since its release: weights and KV cache both on the device
+        # The engine's memory tags released and not resumed yet: resuming a tag that is not released kills SGLang's
+        # scheduler, so only these are resumed (an engine started or restarted in place holds everything).
+        self.released: set[str] = set()
         self._death_noted = False  # a death logged and counted, its restart still to come
         self._snapshot = HostSnapshot()
         self.report = StepReport()
@@ -222,7 +276,7 @@ class ColocatedStep:
         self._note_death(when, why)
         self.engine.restart()  # raises once rollout.options.max_restarts is used up
         self._death_noted = False
-        self.engine_resident = True
+        self.released = set()
 
     def _engine_died(self, err: RuntimeFailure, when: str) -> None:
         """Re-raise ``err`` unless the engine died during the call; then restart it."""
@@ -246,7 +300,7 @@ class ColocatedStep:
                 self._note_death("while releasing its memory", str(err))
 
         self._timed("offload_rollout", run)
-        self.engine_resident = False
+        self.released = set(OFFLOAD_TAGS)  # (a dead engine's memory went with it; its restart is resident)
         self.report.freed_rollout_bytes = max(0, before - self.memory_probe())
 
     def onload_train(self) -> None:
@@ -257,8 +311,12 @@ class ColocatedStep:
             self.train_paused = False
 
     def snapshot(self) -> None:
-        """Pinned host copy of the trainer's (engine-named) weights, reused across steps."""
-        self._snapshot.take(self.trainer.export_weights())
+        """Pinned host copy of the trainer's (engine-named) weights, the whole model on every rank, reused across
+        steps. A rank left with nothing to load is an error, not an engine that keeps its old weights."""
+        named = self.trainer.export_weights()
+        self._snapshot.take(self.share(named) if self.share is not None else named)
+        if not self._snapshot.buffers:
+            raise RuntimeFailure(f"rank {self.rank}: the trainer exported no weights for its colocated engine")
 
     def offload_train(self) -> None:
         if self.train_paused:  # a second pause of the same tag ends the process (csrc/core.cpp)
@@ -283,8 +341,8 @@ class ColocatedStep:
 
     def _onload(self, tags: tuple[str, ...]) -> bool:
         """Resume ``tags``; True when the engine had died and was restarted instead (its weights need a refill)."""
-        if self.engine_resident:
-            return False  # restarted: resident already (resuming an unreleased tag kills SGLang's scheduler)
+        if not self.released.intersection(tags):
+            return False  # never released, or restarted: resident already
         if not self.engine.health():
             self._restart_engine(f"before resuming {','.join(tags)}")
             return True
@@ -293,6 +351,7 @@ class ColocatedStep:
         except RuntimeFailure as err:
             self._engine_died(err, f"while resuming {','.join(tags)}")
             return True
+        self.released.difference_update(tags)
         return False
 
     def onload_weights(self) -> None:
@@ -371,8 +430,12 @@ class ColocatedStep:
         return samples, metrics
 
     def initial_sync(self, version: int = 0) -> None:
-        """Before the first generation (Miles: "always update weight first"): push the trainer's initial weights.
-        The engine was started with its weights resident, so: snapshot, offload train, update, done."""
+        """Before the first generation (Miles: "always update weight first"): push the trainer's initial weights:
+        snapshot, offload train, then the rollout side's weights back, the update and its KV cache back (slime's
+        train.py: onload_weights, update_weights, onload_kv). With an engine that was never released the two onloads
+        do nothing."""
         self.snapshot()
         self.offload_train()
+        self.onload_weights()
         self.update_weights(version)
+        self.onload_kv()

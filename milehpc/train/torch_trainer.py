@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from milehpc.algorithms.api import add_micro_batch_metrics
 from milehpc.builtin.trainers import TORCH_TRAINER_OPTIONS
 from milehpc.faults import maybe_fail
+from milehpc.models import engine_moe_layout, moe_names
 from milehpc.samples import Sample
 
 if TYPE_CHECKING:
@@ -418,7 +419,9 @@ class TorchTrainer:
     # ---- weights and state -------------------------------------------------
     def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Full weights in HF naming (with LoRA: the adapter alone, :func:`milehpc.train.lora.export`); with FSDP2
-        every rank must call this (it all-gathers)."""
+        every rank must call this (it gathers). With FSDP2 on separate rollout ranks only the weight-sync source
+        (trainer rank 0) needs the whole tensors: each is gathered onto it alone and the other ranks yield nothing
+        (they hold no more than their shard); colocated, every rank's engine takes them, so every rank gathers all."""
         self.sync_bytes = 0
         if self.adapters:
             from milehpc.train.multi_lora import export_adapters
@@ -431,11 +434,17 @@ class TorchTrainer:
             named: Iterable[tuple[str, Any]] = lora.export(self.module, self.lora)
         else:
             named = self.module.state_dict().items()
+        # In the names the job's engine loads: SGLang wants an MoE model's experts one by one (milehpc.models).
+        layout = engine_moe_layout(self.job.rollout.engine)
+        model_type = getattr(getattr(self.module, "config", None), "model_type", "")
+        everywhere = self.job.resources.colocate
         for name, tensor in named:
             if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
+                tensor = tensor.full_tensor() if everywhere else gather_to_first(tensor)
+                if tensor is None:
+                    continue
             self.sync_bytes += tensor.numel() * tensor.element_size()
-            yield name, tensor.detach()
+            yield from moe_names(name, tensor.detach(), model_type, layout)
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """Model, optimizer, scheduler, critic and reference; the process RNG is the checkpoint's own."""
@@ -488,6 +497,31 @@ class TorchTrainer:
             if self.ref is not None:
                 self._load_model_state(self.ref, state["ref"])
 
+
+
+def gather_to_first(t: Any) -> torch.Tensor | None:
+    """The whole of a sharded DTensor (FSDP2) on the first rank of its mesh, None on the others: a gather, not an
+    all-gather, so the other ranks never hold the full tensor. FSDP2 shards dim 0 as ``torch.chunk`` does (the
+    last ranks may hold fewer rows, or none): each shard is padded to the chunk size for the gather and the pad cut
+    off. Another layout falls back to ``full_tensor`` (an all-gather), kept on the first rank only."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    mesh = t.device_mesh
+    group = mesh.get_group() if mesh.ndim == 1 else None
+    first = group is not None and dist.get_rank(group) == 0
+    if group is None or len(t.placements) != 1 or t.placements[0] != Shard(0):
+        full = t.full_tensor()
+        return full if (group is None or first) else None
+    size, rows = dist.get_world_size(group), t.shape[0]
+    chunk = -(-rows // size)
+    local = t.to_local()
+    padded = local.new_zeros((chunk, *t.shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    parts = [torch.empty_like(padded) for _ in range(size)] if first else None
+    dist.gather(padded, parts, group=group, group_dst=0)
+    return torch.cat(parts)[:rows] if parts is not None else None
 
 
 def from_context(ctx: RunContext) -> TorchTrainer:

@@ -4,7 +4,7 @@ or run the comparison as a collective over a weight-sync group (the source sends
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,15 +48,24 @@ class WeightCheck:
             return f"weights equal: {self.checked} (tensor, rank) check(s), {self.skipped} skipped"
         w = self.worst
         assert w is not None
-        return (f"weights differ: {len(self.mismatches)} of {self.checked} (tensor, rank) check(s); worst: {w.name} on rank "
-                f"{w.rank} ({w.reason})")
+        unreadable = sum(m.reason == UNREADABLE for m in self.mismatches)
+        return (f"weights differ: {len(self.mismatches)} of {self.checked} (tensor, rank) check(s)"
+                + (f" ({unreadable} unreadable)" if unreadable else "")
+                + f"; worst: {w.name} on rank {w.rank} ({w.reason})")
 
 
-def compare_named_tensors(expected: NamedTensors, actual: Mapping[str, torch.Tensor] | NamedTensors, *,
+# The engine holds the name but could not read it back (e.g. SGLang's get_weights_by_name answered None).
+UNREADABLE = ("unreadable on the rollout side: the engine could not read it back, so it is not shown to hold the "
+              "trainer's value")
+
+
+def compare_named_tensors(expected: NamedTensors,
+                          actual: Mapping[str, torch.Tensor | None] | Iterable[tuple[str, torch.Tensor | None]], *,
                           rank: int = 0, atol: float = 0.0, rtol: float = 0.0,
                           skip: Sequence[str] = ()) -> WeightCheck:
     """Compare tensors by name: exact when ``atol == rtol == 0`` (bit-exact), else |a - b| <= atol + rtol * |b|.
-    ``skip`` holds fnmatch patterns of names to leave out. Names missing on the actual side are mismatches."""
+    ``skip`` holds fnmatch patterns of names to leave out. Names missing on the actual side are mismatches, and so
+    are names it gives as None (unreadable): a weight the check cannot see is not a weight it has checked."""
     import torch
 
     have = actual if isinstance(actual, Mapping) else dict(actual)
@@ -68,7 +77,7 @@ def compare_named_tensors(expected: NamedTensors, actual: Mapping[str, torch.Ten
         result.checked += 1
         got = have.get(name)
         if got is None:
-            result.mismatches.append(Mismatch(name, rank, "missing on the rollout side"))
+            result.mismatches.append(Mismatch(name, rank, UNREADABLE if name in have else "missing on the rollout side"))
             continue
         if tuple(got.shape) != tuple(want.shape):
             result.mismatches.append(Mismatch(name, rank, f"shape {tuple(got.shape)} != {tuple(want.shape)}"))
@@ -92,7 +101,7 @@ def compare_named_tensors(expected: NamedTensors, actual: Mapping[str, torch.Ten
 
 
 def check_weight_update_equal(group: WeightSyncGroup, *, named_tensors: NamedTensors | None = None,
-                              local: Mapping[str, torch.Tensor] | NamedTensors | None = None,
+                              local: Mapping[str, torch.Tensor | None] | NamedTensors | None = None,
                               atol: float = 0.0, rtol: float = 0.0, skip: Sequence[str] = (),
                               converter: Converter | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                               timeout: float | None = None) -> WeightCheck:

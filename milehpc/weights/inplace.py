@@ -10,10 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from milehpc.errors import RuntimeFailure
 from milehpc.weights.converters import Converter, NamedTensors, identity
 
 if TYPE_CHECKING:
     import torch
+
+    from milehpc.comm.world import Comms
 
 
 class WeightSink(Protocol):
@@ -27,6 +30,50 @@ def load_in_place(sink: WeightSink, named_tensors: NamedTensors, version: int, c
                   ) -> None:
     """Hand the trainer's (converted) tensors to the engine on this rank."""
     sink.update_weights((converter or identity)(named_tensors), version)
+
+
+def whole_model(comms: Comms, named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
+    """Colocated: the whole model on every rank, from what each trainer rank exported. Call on every trainer rank.
+
+    Each colocated rank's engine needs every weight (an SGLang TP scheduler slices its own shard out of the full
+    tensor), but a trainer may export a part per rank: Megatron gives each pipeline stage's weights to that stage's
+    leader (tp = 0, dp = 0) and nothing to the others, and an engine fed ``[]`` keeps its old weights without a word
+    (issue 30, fault 4). As slime's colocated update does (``hf_weight_iterator_direct._get_megatron_full_params``:
+    a broadcast from each parameter's source rank, then every rank serializes for its own engine), each tensor is
+    broadcast over the trainer group from the lowest rank that exported it, one at a time on the group's device
+    (NCCL takes CUDA tensors only), so the extra device memory is one tensor. When every rank already holds every
+    name (the torch trainer) nothing is sent. The names come in the same order on every rank (an engine of several
+    ranks cuts the stream into the same buckets on each). Iterate to the end on every rank: each step is a
+    collective."""
+    import torch
+    import torch.distributed as dist
+
+    from milehpc.comm.collectives import collective_device
+
+    mine = {name: tensor for name, tensor in named_tensors}
+    metas = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in mine.items()]
+    ranks = list(comms.plan.trainer_group())
+    every = comms.allgather(metas, ranks, what="colocated weight sync: the names each trainer rank exported")
+    source: dict[str, tuple[int, str, tuple[int, ...]]] = {}  # name -> (lowest rank with it, dtype, shape)
+    for rank, have in zip(ranks, every, strict=True):
+        for name, dtype, shape in have:
+            first = source.setdefault(name, (rank, dtype, tuple(shape)))
+            if first[1:] != (dtype, tuple(shape)):
+                raise RuntimeFailure(f"colocated weight sync: {name} is {first[1]}{list(first[2])} on rank {first[0]} "
+                                     f"but {dtype}{list(shape)} on rank {rank}")
+    if not source:
+        raise RuntimeFailure("colocated weight sync: no trainer rank exported any weight")
+    if all(len(have) == len(source) for have in every):
+        yield from mine.items()  # every rank holds the whole model already
+        return
+    device = collective_device()
+    for name, (src, dtype, shape) in source.items():
+        if comms.rank == src:
+            tensor = mine[name].to(device).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.broadcast(tensor, src=ranks.index(src))  # default group = the trainer ranks, in world order
+        yield name, tensor
 
 
 class HostSnapshot:

@@ -40,7 +40,10 @@ surviving scheduler whose receive waits behind the dead one is expected to end b
 timeout and then be restarted like the dead one (not exercised on a CPU: the tests run gloo). An engine that fails
 to close its weight-update session after the last bucket (``finish_update``) fails the attempt the same way. A
 failure while an engine joins a new group (``init_weights_update_group``) is not retried: the rendezvous cannot be
-completed without it, so the rank's error ends the job.
+completed without it, so the rank's error ends the job. A broadcast the backend refuses at the enqueue (NCCL: a tensor
+not on the trainer's GPU) breaks the attempt the same way, so the engines hear ``"abort"`` at once instead of waiting
+inside ``update_weights_from_distributed`` until their timeout; the buckets go from the trainer's device
+(:func:`milehpc.comm.collectives.collective_device` of the group), whatever device the trainer exported them on.
 """
 
 from __future__ import annotations
@@ -66,14 +69,21 @@ class SyncBroken(Exception):
 
 
 def join_update_group(store: Any, *, world_size: int, rank: int, group_name: str, backend: str,
-                      timeout: float) -> Any:
-    """Join an update group built SGLang's way (see the module docstring) on an already-connected ``store``."""
+                      timeout: float, device: Any = None) -> Any:
+    """Join an update group built SGLang's way (see the module docstring) on an already-connected ``store``.
+    ``device``: this rank's GPU (a CUDA torch.device), declared into the group's store so that the device check
+    (:func:`milehpc.comm.devcheck.check_group_devices`) can refuse two members on one GPU as NCCL does."""
     from torch.distributed import PrefixStore
     from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
+    from milehpc.comm import devcheck
+
     params = inspect.signature(_new_process_group_helper).parameters
     options = "backend_options" if "backend_options" in params else "pg_options"  # renamed in torch 2.6
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+    prefixed = PrefixStore(group_name, store)
+    if device is not None and getattr(device, "type", None) == "cuda" and device.index is not None:
+        devcheck.declare_device(prefixed, rank, device.index)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), prefixed,
                                       group_name=group_name, timeout=timedelta(seconds=timeout), **{options: None})
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
@@ -123,7 +133,7 @@ class StageSender:
         self.comms.bcast(("group", addr, port, self.world_size, name), self.comms.rank, self.members,
                          what=f"SGLang update group {self.stage} address")
         self.pg = join_update_group(self.store, world_size=self.world_size, rank=0, group_name=name,
-                                    backend=self.backend, timeout=self.comms.timeout)
+                                    backend=self.backend, timeout=self.comms.timeout, device=self.comms.device)
 
     def drop(self, *, abort: bool = False) -> None:
         """Leave this stage's group (``abort``: it broke mid-broadcast); the next sync builds a new one."""
@@ -136,9 +146,15 @@ class StageSender:
         flat uint8 tensor (:func:`sglang_mapping.flatten_bucket`: one collective per bucket, not one per tensor);
         returns (the bytes sent, why the group broke or None). A broken group is aborted and the rest of the
         buckets is not sent: the engine leaders get ``("abort", version)`` instead of ``("done", version)``."""
+        from milehpc.comm.collectives import collective_device
+
         total, broken = 0, None
+        # NCCL takes CUDA tensors only: the bucket goes from the trainer's device (a no-op for tensors exported there;
+        # a copy for any that a trainer left on the host). gloo: the CPU.
+        device = collective_device(self.pg)
         for bucket in sm.buckets(named, bucket_bytes):
             flat, meta = sm.flatten_bucket(bucket)
+            flat = flat.to(device)
             self.comms.bcast(("bucket", meta), self.comms.rank, self.members,
                              what=f"weight bucket metadata (stage {self.stage})")
             try:
@@ -160,7 +176,11 @@ class StageSender:
 
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        work = self.pg.broadcast([flat], opts)
+        try:
+            work = self.pg.broadcast([flat], opts)
+        except Exception as err:  # noqa: BLE001 - refused at the enqueue (NCCL: a tensor it cannot take): the engines
+            # wait inside update_weights_from_distributed, so they must hear "abort", not be left to their timeout
+            raise SyncBroken(f"the broadcast could not start: {str(err).splitlines()[0][:200]}") from err
         reports: list[str] = []
 
         def over() -> bool:

@@ -1,6 +1,7 @@
 """The colocated layout: every rank generates its share, trains on it (DP over all ranks) and loads the new weights
-into its own engine in place. Only the sync loop (one process cannot overlap generation and training; the job rules
-refuse the others on the login node). With SGLang the two halves of a step go through
+into its own engine in place (the whole model on every rank: :func:`milehpc.weights.inplace.whole_model`). Only
+the sync loop (one process cannot overlap generation and training; the job rules refuse the others on the login
+node). With SGLang the two halves of a step go through
 :class:`milehpc.runtime.offload.ColocatedStep` (Miles' offload/onload order around torch_memory_saver)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from milehpc.runtime.loop.rollout_metrics import merge_rollout_stats, rollout_me
 from milehpc.runtime.loop.rollout_side import RolloutSide
 from milehpc.runtime.loop.trainer_side import TrainerSide, world_facts
 from milehpc.samples import samples_of
+from milehpc.weights.inplace import whole_model
 from milehpc.weights.sync import sync_weights
 
 if TYPE_CHECKING:
@@ -41,7 +43,8 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
         checkpointing.restore(trainer=side, rollout=rollout)
         if colo is None:
             side.warmup()
-            sync_weights(comms, trainer.version, named_tensors=trainer.export_weights(), engine=rollout)
+            sync_weights(comms, trainer.version, named_tensors=whole_model(comms, trainer.export_weights()),
+                         engine=rollout)
         else:
             with colo.train_region():
                 side.warmup()
@@ -79,7 +82,8 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
             if colo is None:
                 end_training(side.train(step, samples))
                 t1 = time.perf_counter()
-                sync_weights(comms, trainer.version, named_tensors=trainer.export_weights(), engine=rollout)
+                sync_weights(comms, trainer.version, named_tensors=whole_model(comms, trainer.export_weights()),
+                             engine=rollout)
                 metrics["time/sync"] = time.perf_counter() - t1
             else:
                 metrics.update(colo.train_phase(lambda step=step, samples=samples: side.train(step, samples),

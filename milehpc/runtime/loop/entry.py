@@ -30,9 +30,16 @@ def run(ctx: RunContext, *, progress: bool = True, checkpointing: LoopCheckpoint
     if plan.is_rollout(comms.rank):
         engine = plugins.load("engine", job.rollout.engine, file=file, field="rollout.engine")(ctx)
     if plan.colocated and engine is not None:
-        from milehpc.runtime.offload import for_job
+        from functools import partial
 
-        colo = for_job(job, engine, device=comms.device, rank=comms.rank)  # None: nothing to offload
+        from milehpc.runtime.offload import for_job
+        from milehpc.weights.inplace import whole_model
+
+        colo = for_job(job, engine, device=comms.device, rank=comms.rank,
+                       share=partial(whole_model, comms))  # None: nothing to offload
+        if colo is not None:
+            # Released before the trainer is built and warmed up: at no point do both sides hold the device.
+            colo.offload_rollout()
     if plan.is_trainer(comms.rank):
         make_trainer = plugins.load("trainer", job.trainer.backend, file=file, field="trainer.backend")
         if colo is not None:  # parameters and optimizer state in the pausable region

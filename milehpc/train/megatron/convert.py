@@ -21,8 +21,9 @@ Megatron layout (the local and the transformer-engine layer specs differ only in
 HF MoE layout: ``moe_layout="transformers"`` gives transformers 5's in-memory names (``mlp.gate``,
 ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) which the reference engine loads;
 ``"checkpoint"`` gives the per-expert checkpoint names SGLang loads (Qwen2-MoE: ``mlp.experts.{e}.gate_proj/
-up_proj/down_proj``; Mixtral: ``block_sparse_moe.gate``, ``block_sparse_moe.experts.{e}.w1/w3/w2``). Qwen2-MoE's
-sigmoid-gated shared expert is Megatron's ``mlp.shared_experts`` with ``gate_weight``.
+up_proj/down_proj``; Mixtral: ``block_sparse_moe.gate``, ``block_sparse_moe.experts.{e}.w1/w3/w2``;
+:mod:`milehpc.models` names them for both trainers, and picks the layout from the rollout engine).
+Qwen2-MoE's sigmoid-gated shared expert is Megatron's ``mlp.shared_experts`` with ``gate_weight``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from milehpc.models import checkpoint_expert_names, checkpoint_router_name
 
 if TYPE_CHECKING:
     import torch
@@ -65,16 +68,12 @@ _FC1 = {"mlp.linear_fc1.weight": "mlp.", "mlp.shared_experts.linear_fc1.weight":
 
 
 def _ckpt_expert_names(arch: Arch, pre: str, e: int) -> tuple[str, str, str]:
-    """(gate, up, down) names of routed expert ``e`` in the HF checkpoint layout."""
-    if arch.model_type == "mixtral":
-        b = f"{pre}block_sparse_moe.experts.{e}."
-        return b + "w1.weight", b + "w3.weight", b + "w2.weight"
-    b = f"{pre}mlp.experts.{e}."
-    return b + "gate_proj.weight", b + "up_proj.weight", b + "down_proj.weight"
+    """(gate, up, down) names of routed expert ``e`` in the HF checkpoint layout (the names SGLang loads)."""
+    return checkpoint_expert_names(arch.model_type, pre, e)
 
 
 def _ckpt_router_name(arch: Arch, pre: str) -> str:
-    return f"{pre}block_sparse_moe.gate.weight" if arch.model_type == "mixtral" else f"{pre}mlp.gate.weight"
+    return checkpoint_router_name(arch.model_type, pre)
 
 
 def local_name(name: str) -> str:

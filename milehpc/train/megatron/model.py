@@ -9,7 +9,8 @@ TransformerConfig: RMSNorm, RoPE (theta from the HF config; Llama 3.x's "llama3"
 (Mixtral's rule) or not (Qwen's default) with routing replay available.
 
 Layer spec: the local (pure megatron-core) spec on CPU; the transformer-engine spec on GPUs when the job asks
-for it (``trainer.precision`` bf16/fp8 or ``trainer.options.transformer_engine = true``).
+for it (``trainer.precision`` bf16/fp8 or ``trainer.options.transformer_engine = true``) and TE imports there; bf16
+on a GPU without TE (ROCm) takes the local spec, fp8 refuses in one line (:func:`te_spec_choice`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from milehpc.errors import ConfigError
+from milehpc.errors import ConfigError, missing_dependency
 
 if TYPE_CHECKING:
     import torch
@@ -205,15 +206,38 @@ def transformer_config(
     return TransformerConfig(**kw)
 
 
-def use_transformer_engine(trainer: TrainerSpec) -> bool:
-    """TE layers on GPUs for bf16/fp8 (or when asked); never on CPU, where TE cannot run, nor with LoRA (its
-    adapters need the local spec's separate input norms, :mod:`milehpc.train.megatron.lora`)."""
-    import torch
+def te_spec_choice(trainer: TrainerSpec, *, cuda: bool, have_te: bool) -> bool:
+    """Whether the job's model takes the transformer-engine layer spec, from what this node has: ``cuda`` (a GPU)
+    and ``have_te`` (megatron-core's own ``HAVE_TE``: transformer-engine and its Megatron extension import).
 
-    if not torch.cuda.is_available() or trainer.lora is not None:
+    Never on CPU, where TE cannot run, nor with LoRA (its adapters need the local spec's separate input norms,
+    :mod:`milehpc.train.megatron.lora`). bf16 takes TE where it imports and the local spec where it does not (a
+    GPU without TE, ROCm included: megatron-core 0.16.1's ``get_gpt_layer_with_transformer_engine_spec`` builds
+    ``TESpecProvider()``, a NameError without TE). fp8, or ``transformer_engine = true``, needs TE: one line."""
+    if not cuda or trainer.lora is not None:
         return False
     asked = trainer.options.get("transformer_engine")
-    return bool(trainer.precision in ("bf16", "fp8") if asked is None else asked)
+    wanted = bool(trainer.precision in ("bf16", "fp8") if asked is None else asked)
+    if wanted and not have_te:
+        if trainer.precision == "fp8" or asked:  # FP8 GEMMs are TE's; asked for by name: no silent fallback
+            what = "trainer.precision = 'fp8'" if trainer.precision == "fp8" else \
+                "trainer.options.transformer_engine = true"
+            raise missing_dependency(f"{what} (megatron-core's transformer-engine layer spec)", "transformer-engine")
+        return False
+    return wanted
+
+
+def use_transformer_engine(trainer: TrainerSpec) -> bool:
+    """:func:`te_spec_choice` on this node (inside the job: imports torch and megatron-core)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    have_te = False
+    if cuda:
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        have_te = bool(gpt_layer_specs.HAVE_TE)  # the condition its TE spec depends on, read from megatron itself
+    return te_spec_choice(trainer, cuda=cuda, have_te=have_te)
 
 
 def layer_spec(arch: Arch, *, te: bool) -> Any:

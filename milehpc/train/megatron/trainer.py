@@ -669,16 +669,20 @@ class MegatronTrainer:
         self.version += 1
 
     # ---- weights -------------------------------------------------------------------------------------------
-    def export_weights(self, *, moe_layout: str = "transformers", grads: bool = False,
+    def export_weights(self, *, moe_layout: str | None = None, grads: bool = False,
                        ) -> list[tuple[str, torch.Tensor]]:
         """Collective over the trainer ranks: this PP stage's weights in HF names on the stage leader (tp=0,
         dp=0); an empty list elsewhere. TP shards are gathered over the TP group, experts over the EP group.
         ``grads``: the last step's gradients (DP-reduced ``main_grad``) in the same names instead, to compare a
         step with the torch trainer's. With LoRA: the adapter alone (and its scaling), in the torch trainer's wire
-        names (:mod:`.lora`)."""
+        names (:mod:`.lora`). ``moe_layout``: an MoE model's HF names (:func:`milehpc.models.moe_names`); unset =
+        the ones the job's rollout engine loads (SGLang: per expert)."""
+        from milehpc.models import engine_moe_layout
+
         if self.adapters:
             return self._export_adapter(grads=grads)
-        return self.export_module(self.module, self.arch, moe_layout=moe_layout, grads=grads)
+        layout = moe_layout or engine_moe_layout(self.job.rollout.engine)
+        return self.export_module(self.module, self.arch, moe_layout=layout, grads=grads)
 
     def _export_adapter(self, *, grads: bool) -> list[tuple[str, torch.Tensor]]:
         import torch
@@ -711,7 +715,7 @@ class MegatronTrainer:
         for name, p in module.named_parameters():
             t = (p.main_grad if grads else p).detach()
             if name in raw:
-                kept.append((name, t.cpu().contiguous()))
+                kept.append((name, t.contiguous()))
                 continue
             if ".local_experts." in name:
                 if expert_gather:
@@ -732,7 +736,9 @@ class MegatronTrainer:
         if not leader:
             return []
         glob = convert.rename_layers(full, layer_offset(module), 0 if expert_gather else expert_offset(arch))
-        return [(n, t.cpu().contiguous()) for n, t in convert.to_hf(glob, arch, moe_layout=moe_layout)] + kept
+        # On the trainer's device, not the host: the SGLang update group is NCCL, which takes CUDA tensors only
+        # (issue 30, fault 1), and the other consumers copy where they need (a host snapshot, the sync's buckets).
+        return [(n, t.contiguous()) for n, t in convert.to_hf(glob, arch, moe_layout=moe_layout)] + kept
 
     @staticmethod
     def _gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
