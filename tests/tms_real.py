@@ -461,5 +461,25 @@ def install_for_process(log_dir: str | None) -> None:
     """For a subprocess (the loader in tests/standin_gpu_stack): the fakes for good, recording to ``log_dir``."""
     _check_signatures()
     _STATE.log_dir = log_dir
-    for obj, name, fake in _patches(FakeDeviceModule()):
+    device = FakeDeviceModule()
+    for obj, name, fake in _patches(device):
         setattr(obj, name, fake)
+    _end_at_teardown_like_the_pool(device)
+
+
+def _end_at_teardown_like_the_pool(device: FakeDeviceModule) -> None:
+    """In torch hook mode the region's ``MemPool`` hands its segments back through ``tms_torch_free`` when it is
+    destroyed at the interpreter's teardown, outside any region, where ``SIMPLE_CHECK(is_interesting_region)`` ends
+    the process with status 1 (csrc/entrypoint.cpp; seen on an H200 after a successful run). A subprocess whose saver
+    made its pool and that reaches the normal teardown ends so here: threading's exit hooks run on a normal exit
+    only, never after ``os._exit`` (:func:`milehpc.runtime.offload.end_process`)."""
+    import threading
+
+    def teardown() -> None:
+        if device.pools:
+            sys.stderr.write("[torch_memory_saver.cpp] only support interesting region file=csrc/entrypoint.cpp "
+                             "func=tms_torch_free (stand-in: the region's MemPool freed at interpreter teardown)\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+    threading._register_atexit(teardown)  # type: ignore[attr-defined]
