@@ -352,3 +352,50 @@ def test_multi_rank_engine_layout_uses_sglang_nodes():
 
     args = sm.server_args(job, opts, resolve_precision(job), lay1, model_path="/m", tokenizer_path=None)
     assert (args["tp_size"], args["nnodes"], args["node_rank"], args["base_gpu_id"]) == (2, 2, 1, 0)
+
+
+class _RecordingGroups:
+    """The ``groups`` a ColocatedStep takes (release/restore), recorded."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def release(self) -> None:
+        self.log.append("groups.release")
+
+    def restore(self) -> None:
+        self.log.append("groups.restore")
+
+
+def test_communicators_are_suspended_for_rollout_and_restored_at_the_end():
+    """Issue 30: the trainer's NCCL buffers go with its memory while the engine generates, come back before it
+    trains, and are live again when the run ends (the teardown destroys live communicators, not suspended ones)."""
+    log: list[str] = []
+    _, _, colo = _build(log)
+    colo.groups = _RecordingGroups(log)
+    colo.initial_sync(version=0)
+    assert log.index("groups.release") < log.index("saver.pause(train)")
+    log.clear()
+    colo.step([[3, 4, 5]], SamplingParams(max_new_tokens=4, n=2), step=0, score=_score)
+    assert log.index("saver.resume(train)") < log.index("groups.restore") < log.index("groups.release")
+    assert log.count("groups.release") == log.count("groups.restore") == 1
+    log.clear()
+    colo.finish()
+    assert log == ["groups.restore"]
+
+
+def test_a_rank_whose_trainer_exports_nothing_is_refused_not_left_with_old_weights():
+    """Issue 30, fault 4: a colocated rank whose trainer exports no weights (Megatron: every rank but tp0/dp0 of a
+    stage) must not open and close an empty update and keep its initial weights; with ``share`` (the loop passes
+    milehpc.weights.inplace.whole_model) it gets the whole model."""
+    from milehpc.errors import RuntimeFailure
+
+    log: list[str] = []
+    _, engine, colo = _build(log)
+    whole = list(colo.trainer.export_weights())
+    colo.trainer.export_weights = lambda: []
+    with pytest.raises(RuntimeFailure, match="exported no weights for its colocated engine"):
+        colo.snapshot()
+    colo.share = lambda named: list(named) or whole
+    colo.initial_sync(version=3)
+    assert engine.weight_version() == 3 and set(engine._engine.weights) == {n for n, _ in whole}

@@ -493,8 +493,9 @@ def _group_store(group: Any) -> Any:
 def declare_device(store: Any, group_rank: int, device_index: int, host: str | None = None) -> None:
     """Record in a group's store (the store the group is built on: ``PrefixStore(group_name, TCPStore(...))`` for an
     update group) that member ``group_rank`` drives GPU ``device_index`` of ``host`` (default: this host). Who knows
-    the GPU declares it: a trainer rank its own device, an engine leader each of its schedulers' (SGLang's
-    ``base_gpu_id + tp_rank * gpu_id_step``). :func:`check_group_devices` (run at the group's first operation under
+    the GPU declares it. Today only the trainer's stage leader declares its own device (``join_update_group``):
+    SGLang's schedulers join inside the engine, where milehpc cannot write, so the engines' GPUs are checked against
+    SGLang's formula by tests/test_gpu_ids.py instead. :func:`check_group_devices` (run at the group's first operation under
     the device check) refuses two members on one GPU, as NCCL does when it builds the communicator."""
     store.set(f"{DEVICE_KEY}{group_rank}", f"{host or socket.gethostname()}/{int(device_index)}")
 

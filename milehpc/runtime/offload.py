@@ -38,8 +38,11 @@ The order is Miles' (radixark/miles ``train.py``, default ``colocate_memory_peak
   engine takes the whole model: a trainer that exports a part per rank (Megatron: each stage on its leader) has
   the parts broadcast to every rank first (:func:`milehpc.weights.inplace.whole_model`).
 * **communicators**: NCCL communicators allocate their buffers outside PyTorch's allocator, so pausing a region
-  does not free them. :class:`ReloadableGroups` destroys the trainer's NCCL groups with the trainer's memory and
-  rebuilds them (same ranks, same order) when training resumes, as slime's ``reloadable_process_group`` does.
+  does not free them. The colocated loop suspends every NCCL communicator with the trainer's memory and resumes
+  them before training (:class:`milehpc.comm.nccl_memory.CommunicatorMemory`: ``ncclCommSuspend``, NCCL >= 2.29.7;
+  older stacks keep the buffers, with one warning) and restores them at the end (:meth:`ColocatedStep.finish`).
+  :class:`ReloadableGroups` is the other way, slime's ``reloadable_process_group``: destroy the groups and rebuild
+  them (same ranks, same order) when training resumes, for code that reads its groups from it.
 
 :class:`ColocatedStep` runs the sequence against any object with the memory-saver interface; the real one is
 :func:`torch_memory_saver_backend`. The tests drive the real package with only its native binding replaced by a
@@ -309,6 +312,13 @@ class ColocatedStep:
             if self.groups is not None:
                 self.groups.restore()
             self.train_paused = False
+
+    def finish(self) -> None:
+        """End of the run: the communicators back, so that the teardown destroys live NCCL communicators rather than
+        suspended ones (a path no GPU has run yet: the H200 image's torch 2.11 has no ``suspend``). The trainer's
+        memory stays paused; it goes with the process."""
+        if self.groups is not None:
+            self.groups.restore()
 
     def snapshot(self) -> None:
         """Pinned host copy of the trainer's (engine-named) weights, the whole model on every rank, reused across

@@ -102,6 +102,8 @@ def run_colocated(ctx: RunContext, engine: Engine, trainer: Trainer, *, colo: Co
             checkpointing.requeue_if(requeue)  # after the report: the resumed run starts after this step
             if stop:
                 break
+        if colo is not None:
+            colo.finish()
     finally:
         side.close()
     return side.history
