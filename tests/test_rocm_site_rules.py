@@ -48,7 +48,8 @@ def test_rocm_partition_lets_the_reference_engine_colocate() -> None:
 
 
 def test_frontier_example_plans_on_its_site() -> None:
-    """The example the ROCm container is for: separate trainer and engines, bf16 on Megatron's local spec."""
+    """The frontier example keeps the AMD rules: separate trainer and engines, bf16 on Megatron's local spec (its
+    SGLang engine needs an image built from SGLang's ROCm one: containers/milehpc-rocm.def has no engine yet)."""
     code, out = _plan(FRONTIER, "frontier-like")
     assert code == 0, out
 
