@@ -67,15 +67,6 @@ _FUSED_OF = {v: k for k, v in _TE_FUSED_NORMS.items()}
 _FC1 = {"mlp.linear_fc1.weight": "mlp.", "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert."}
 
 
-def _ckpt_expert_names(arch: Arch, pre: str, e: int) -> tuple[str, str, str]:
-    """(gate, up, down) names of routed expert ``e`` in the HF checkpoint layout (the names SGLang loads)."""
-    return checkpoint_expert_names(arch.model_type, pre, e)
-
-
-def _ckpt_router_name(arch: Arch, pre: str) -> str:
-    return checkpoint_router_name(arch.model_type, pre)
-
-
 def local_name(name: str) -> str:
     """A Megatron parameter name in the local spec's spelling (TE fused-norm names -> separate norm names)."""
     m = _LAYER.match(name)
@@ -184,13 +175,13 @@ def to_hf(named: Iterable[tuple[str, torch.Tensor]], arch: Arch, *, moe_layout: 
             yield f"{pre}{_FC1[rest]}gate_proj.weight", gate
             yield f"{pre}{_FC1[rest]}up_proj.weight", up
         elif rest == "mlp.router.weight" and moe_layout == "checkpoint":
-            yield _ckpt_router_name(arch, pre), t
+            yield checkpoint_router_name(arch.model_type, pre), t
         elif rest in _SIMPLE:
             yield pre + _SIMPLE[rest], t
         elif em := _EXPERT.match(rest):
             e, which = int(em.group(1)), em.group(2)
             if moe_layout == "checkpoint":
-                gate_name, up_name, down_name = _ckpt_expert_names(arch, pre, e)
+                gate_name, up_name, down_name = checkpoint_expert_names(arch.model_type, pre, e)
                 if which == "linear_fc1":
                     gate, up = t.chunk(2, dim=0)
                     yield gate_name, gate
@@ -262,9 +253,9 @@ def _experts_from_hf(hf: dict[str, torch.Tensor], pre: str, mp: str, arch: Arch,
     import torch
 
     if f"{pre}mlp.experts.gate_up_proj" not in hf:  # checkpoint layout
-        out[f"{mp}mlp.router.weight"] = hf[_ckpt_router_name(arch, pre)]
+        out[f"{mp}mlp.router.weight"] = hf[checkpoint_router_name(arch.model_type, pre)]
         for e in range(arch.num_experts):
-            gate, up, down = _ckpt_expert_names(arch, pre, e)
+            gate, up, down = checkpoint_expert_names(arch.model_type, pre, e)
             out[f"{mp}mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([hf[gate], hf[up]])
             out[f"{mp}mlp.experts.local_experts.{e}.linear_fc2.weight"] = hf[down]
         return
