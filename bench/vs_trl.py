@@ -16,9 +16,21 @@ page split among the processes that map it: the tree's memory counted once). The
 RSS too. Last line: one JSON object with
 ``ratio`` = milehpc time-to-target (best loop) / TRL's (median over seeds) and the per-mode figures.
 
-TRL is a benchmark-only dependency (``pip install -e '.[bench]'``, trl==1.16.0, next to milehpc):
+TRL runs in its own virtual environment, installed the way a TRL user installs it (``--trl-env``, default
+``~/.cache/milehpc/bench/trl-1.16.0``, made on first use): ``pip install torch==2.13.0`` first (the CPU build:
+on this machine pip's find-links hold it; elsewhere point pip at PyTorch's CPU wheels, e.g. with PIP_INDEX_URL),
+then ``pip install trl==1.16.0``, which resolves transformers, accelerate and datasets itself (transformers 5.25.0
+when this was written, not milehpc's pin). The TRL process imports nothing of milehpc but its reward
+(``milehpc.data.tasks``, standard library only); its prompts come from milehpc's stream as a JSON file. Both tools'
+versions are printed. TRL's settings are the fastest a TRL user would choose on this CPU: fp32 (``bf16=False``:
+at this model size a step is bound by per-op overhead, not by matmuls, so autocast's casts cost more than bf16
+saves: the demo model's forward + backward on a 128 x 19 batch took ~20% more CPU time in bf16 than in fp32,
+one thread, on the 2-core AVX512-BF16 machine), no gradient checkpointing (it recomputes activations to save memory that is not
+short here), ``torch_compile`` off (compiling takes longer than the whole run), the HF ``generate`` path (vLLM
+needs its own server), all cores (``--trl-threads 2``: one process, so both cores go to its intra-op threads),
+logging every step (the stopping rule reads each step's reward).
 
-    .venv/bin/python bench/vs_trl.py [--seeds 3] [--max-steps 1500] [--repo .]
+    .venv/bin/python bench/vs_trl.py [--seeds 3] [--max-steps 1500] [--repo .] [--trl-env DIR]
 """
 
 from __future__ import annotations
@@ -36,11 +48,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-# The window of milehpc's own run.target_reward, so both tools stop by the same rule.
-from milehpc.runtime.loop.schedule import TARGET_WINDOW as WINDOW
-
 TARGET = 0.8
 LOOPS = ("sync", "one_step_off")
+TRL_VERSION = "1.16.0"
+TORCH_SPEC = "torch==2.13.0"  # installed before TRL: the CPU build, which TRL's own resolution would not pick
 
 
 def find_repo(arg: str | None) -> Path:
@@ -158,12 +169,49 @@ def build_policy(repo: Path, work: Path) -> Path:
     return out
 
 
-def window_hit(rewards: list[float]) -> int | None:
-    """1-based step at which the mean of the last WINDOW rewards first reaches TARGET."""
-    for i in range(WINDOW, len(rewards) + 1):
-        if sum(rewards[i - WINDOW:i]) / WINDOW >= TARGET:
+def target_window() -> int:
+    """The window of milehpc's own run.target_reward, so both tools stop by the same rule (milehpc's side only:
+    the TRL process gets it as an argument)."""
+    from milehpc.runtime.loop.schedule import TARGET_WINDOW
+
+    return TARGET_WINDOW
+
+
+def window_hit(rewards: list[float], window: int) -> int | None:
+    """1-based step at which the mean of the last ``window`` rewards first reaches TARGET."""
+    for i in range(window, len(rewards) + 1):
+        if sum(rewards[i - window:i]) / window >= TARGET:
             return i
     return None
+
+
+def trl_python(env_dir: Path) -> Path:
+    """The interpreter of TRL's own environment, made at ``env_dir`` unless it already holds TRL_VERSION."""
+    python = env_dir / "bin" / "python"
+    probe = "import importlib.metadata as m; print(m.version('trl'))"
+    if python.is_file():
+        have = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+        if have.returncode == 0 and have.stdout.strip() == TRL_VERSION:
+            return python
+    print(f"making TRL's environment in {env_dir} (once): {TORCH_SPEC}, then trl=={TRL_VERSION}", flush=True)
+    env_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = env_dir.parent / f"{env_dir.name}.install.log"
+    with log.open("w") as out:
+        for cmd in ([sys.executable, "-m", "venv", "--clear", str(env_dir)],
+                    [str(python), "-m", "pip", "install", TORCH_SPEC],
+                    [str(python), "-m", "pip", "install", f"trl=={TRL_VERSION}"]):
+            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode:
+                sys.exit(f"vs_trl: {' '.join(cmd[2:])} failed; see {log}")
+    return python
+
+
+def versions(python: str, packages: tuple[str, ...]) -> dict[str, str | None]:
+    """The installed versions of ``packages`` in the environment of ``python``."""
+    code = ("import importlib.metadata as m, json, sys\n"
+            "def v(p):\n    try:\n        return m.version(p)\n    except m.PackageNotFoundError:\n        return None\n"
+            "print(json.dumps({p: v(p) for p in sys.argv[1:]}))")
+    out = subprocess.run([python, "-c", code, *packages], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
 
 
 def run_milehpc(repo: Path, policy: Path, loop: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
@@ -175,7 +223,7 @@ def run_milehpc(repo: Path, policy: Path, loop: str, seed: int, args: argparse.N
     recs = [r for r in recs if "rollout/reward_mean" in r]
     # RL starts where the first step started: its end time less its own duration.
     start = recs[0]["time"] - recs[0].get("time/step", 0.0)
-    hit = window_hit([r["rollout/reward_mean"] for r in recs])
+    hit = window_hit([r["rollout/reward_mean"] for r in recs], target_window())
     end = recs[(hit or len(recs)) - 1]["time"]
     gen_tokens = sum(r.get("rollout/gen_tokens", 0.0) for r in recs)
     gen_s = sum(r.get("time/gen", 0.0) for r in recs)
@@ -187,11 +235,16 @@ def run_milehpc(repo: Path, policy: Path, loop: str, seed: int, args: argparse.N
             "final_reward": recs[-1]["rollout/reward_mean"], "phases": phases}
 
 
-def run_trl(policy: Path, seed: int, args: argparse.Namespace, work: Path) -> dict:
+def run_trl(python: Path, policy: Path, seed: int, args: argparse.Namespace, work: Path) -> dict:
     out = work / f"trl-s{seed}.json"
+    # milehpc's prompt stream, unshuffled in TRL: TRL's step k sees milehpc's step k prompts.
+    prompts = work / f"prompts-s{seed}.json"
+    prompts.write_text(json.dumps([{"prompt": p.text, "label": p.label}
+                                   for p in demo_prompts(find_repo(args.repo), seed, args.max_steps)]))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.trl_threads)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(out), "--policy", str(policy),
-           "--seed", str(seed), "--max-steps", str(args.max_steps), "--trl-threads", str(args.trl_threads),
+    cmd = [str(python), str(Path(__file__).resolve()), "--trl-worker", str(out), "--policy", str(policy),
+           "--prompts", str(prompts), "--window", str(target_window()), "--seed", str(seed),
+           "--max-steps", str(args.max_steps), "--trl-threads", str(args.trl_threads),
            "--repo", str(find_repo(args.repo))]
     mem = run_tree(cmd, env, work / f"trl-s{seed}.log")
     return {**json.loads(out.read_text()), **memory(mem)}
@@ -214,18 +267,18 @@ def demo_prompts(repo: Path, seed: int, steps: int) -> list[Any]:
 
 
 def trl_worker(args: argparse.Namespace) -> None:
-    """Inside the TRL process: GRPOTrainer on the same task, reward and hyperparameters; writes its figures."""
+    """Inside the TRL process (TRL's own environment): GRPOTrainer on the same task, reward and hyperparameters;
+    writes its figures."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    sys.path.insert(0, str(find_repo(args.repo)))  # for milehpc's reward alone (standard library only)
     from milehpc.data.tasks import toy_match
 
     torch.set_num_threads(args.trl_threads)
-    # milehpc's prompt stream, unshuffled below: TRL's step k sees milehpc's step k prompts.
-    prompts = demo_prompts(find_repo(args.repo), args.seed, args.max_steps)
-    data = Dataset.from_list([{"prompt": p.text, "label": p.label} for p in prompts])
+    data = Dataset.from_list(json.loads(Path(args.prompts).read_text()))  # unshuffled below
 
     def reward(prompts: list[str], completions: list[str], label: list[str], **_: Any) -> list[float]:
         # milehpc's own reward on a duck-typed sample (response_text, label).
@@ -246,7 +299,7 @@ def trl_worker(args: argparse.Namespace) -> None:
             rewards.append(logs["reward"])
             lengths.append(logs.get("completions/mean_length", 0.0))
             clock["last"] = time.perf_counter()
-            if window_hit(rewards) and "hit" not in clock:
+            if window_hit(rewards, args.window) and "hit" not in clock:
                 clock["hit"] = clock["last"]
                 control.should_training_stop = True
 
@@ -272,14 +325,14 @@ def trl_worker(args: argparse.Namespace) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
                           callbacks=[Stop()])
     trainer.train()
-    steps = window_hit(rewards)
+    steps = window_hit(rewards, args.window)
     total = clock["last"] - clock["start"]
     gen_s = sum(gen_times)
     tokens = sum(128 * x for x in lengths)
     Path(args.trl_worker).write_text(json.dumps({
         "steps": steps, "seconds": clock["hit"] - clock["start"] if steps else None,
         "s_per_step": total / len(rewards), "tokens_per_s": tokens / gen_s if gen_s else None,
-        "final_reward": rewards[-1], "first_reward": rewards[0]}))
+        "final_reward": rewards[-1], "first_reward": rewards[0], "torch_threads": torch.get_num_threads()}))
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -299,20 +352,26 @@ def main() -> None:
     ap.add_argument("--trl-threads", type=int, default=2)
     ap.add_argument("--loops", default=",".join(LOOPS), help="milehpc loops to run, comma-separated")
     ap.add_argument("--work", help="keep the run folders here (default: a temporary folder)")
+    ap.add_argument("--trl-env", default=str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                                             / "milehpc" / "bench" / f"trl-{TRL_VERSION}"),
+                    help="TRL's own virtual environment (made there on first use)")
     ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
     ap.add_argument("--policy", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", help=argparse.SUPPRESS)
+    ap.add_argument("--window", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
         trl_worker(args)
         return
-    try:
-        import trl  # noqa: F401  (benchmark-only: never a milehpc dependency)
-    except ImportError:
-        print("vs_trl: needs TRL (pip install -e '.[bench]': trl==1.16.0), which milehpc does not depend on",
-              file=sys.stderr)
-        sys.exit(2)
     repo = find_repo(args.repo)
+    python = trl_python(Path(args.trl_env))
+    tool_versions = {"trl": versions(str(python), ("trl", "transformers", "torch", "accelerate", "datasets")),
+                     "milehpc": versions(sys.executable, ("milehpc", "transformers", "torch"))}
+    for tool, v in tool_versions.items():
+        print(f"{tool}: " + ", ".join(f"{k} {x}" for k, x in v.items()), flush=True)
+    print(f"TRL settings (see this file's docstring for why): fp32, no gradient checkpointing, no torch.compile, "
+          f"transformers generate, {args.trl_threads} torch threads, logging every step", flush=True)
     loops = [x for x in args.loops.split(",") if x]
     with tempfile.TemporaryDirectory(prefix="milehpc-vs-trl-") as tmp:
         work = Path(args.work or tmp)
@@ -322,7 +381,7 @@ def main() -> None:
         print(f"starting policy (SFT warm-up, exported) in {time.perf_counter() - t0:.1f}s", flush=True)
         results: dict[str, list[dict]] = {"trl": [], **{f"milehpc-{lp}": [] for lp in loops}}
         for seed in range(args.seeds):
-            results["trl"].append(run_trl(policy, seed, args, work))
+            results["trl"].append(run_trl(python, policy, seed, args, work))
             for lp in loops:
                 results[f"milehpc-{lp}"].append(run_milehpc(repo, policy, lp, seed, args, work))
             for mode, runs in results.items():
@@ -349,7 +408,7 @@ def main() -> None:
     mem = {f"{m}/{k}": round(summary[m][f"peak_{k}_mib"] / summary["trl"][f"peak_{k}_mib"], 3)
            for m in summary if m != "trl" for k in ("rss", "pss")}
     result = {"ratio": min(ratio.values()) if ratio else None, "ratio_by_mode": ratio, "goal": 0.8,
-              "memory_ratio_vs_trl": mem, "memory_goal": 1.5,
+              "memory_ratio_vs_trl": mem, "memory_goal": 1.5, "versions": tool_versions,
               "seeds": args.seeds, "target_reward": TARGET, "modes": summary}
     print(json.dumps(result))
 

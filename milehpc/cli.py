@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -30,14 +31,31 @@ def _emit(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
 
-site_option = click.option("--site", "-s", "site", metavar="NAME", help="site to run on (see `milehpc sites list`); "
+site_option = click.option("--site", "-s", "site", metavar="NAME|FILE.toml",
+                           help="site to run on: a name (see `milehpc sites list`; MILEHPC_SITE_PATH and "
+                           "~/.config/milehpc/sites are searched) or a site TOML file; "
                            "default: the site a plugin detects, else 'local'")
 set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
                           help="override a job-spec value (TOML syntax, validated like the file); repeatable")
 run_dir_option = click.option("--run-dir", metavar="DIR", help="run directory (default: run.run_dir or runs/NAME-TIME)")
 json_option = click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-force_option = click.option("--force", is_flag=True, help="accept a layout the memory estimate says cannot fit "
-                            "its devices (see `milehpc plan`)")
+# --force overrides every memory check (each one it overrides is named); --force-only trainer-memory (rollout-,
+# colocated-, node-) that one only, so forcing past one refusal does not silently switch off the others. Two options,
+# not an optional value: `--force job.toml` must not read the job file as a check name.
+FORCE_CHECKS = ("trainer-memory", "rollout-memory", "colocated-memory", "node-memory")
+
+
+def force_option(f: Callable) -> Callable:
+    """``--force`` / ``--force-only CHECK``, handed to the command as one ``force`` value ("memory", a check, None)."""
+
+    def merge(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+        return "memory" if ctx.params.pop("force_all", False) else value
+
+    f = click.option("--force-only", "force", metavar="CHECK", type=click.Choice(FORCE_CHECKS), callback=merge,
+                     help="override this memory check only")(f)
+    return click.option("--force", "force_all", is_flag=True, is_eager=True,
+                        help="accept a layout the memory estimate says cannot fit its devices (see `milehpc plan`); "
+                             "names every check it overrides")(f)
 
 
 def _site(name: str | None) -> str:
@@ -77,7 +95,7 @@ def cli() -> None:
 @force_option
 @json_option
 def submit(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir: str | None, dry_run: bool,
-           resume: str | None, after: str | None, sweep: str | None, force: bool, as_json: bool) -> None:
+           resume: str | None, after: str | None, sweep: str | None, force: str | None, as_json: bool) -> None:
     """Validate JOB.toml for a site, write the run directory, and submit it (sbatch, or locally in the background).
 
     \b
@@ -145,7 +163,7 @@ def render(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir:
 @click.option("--ranks", is_flag=True, help="also list every rank (small jobs)")
 @force_option
 @json_option
-def plan(job_file: str, site: str | None, overrides: tuple[str, ...], ranks: bool, force: bool, as_json: bool) -> None:
+def plan(job_file: str, site: str | None, overrides: tuple[str, ...], ranks: bool, force: str | None, as_json: bool) -> None:
     """Show the rank layout (roles, nodes, GPUs, TP/PP/DP, engines, weight-sync groups) and the memory each rank
     needs against its device; exit code 2 when a rank cannot fit (after printing the table), unless --force.
 
@@ -162,11 +180,13 @@ def plan(job_file: str, site: str | None, overrides: tuple[str, ...], ranks: boo
 
     prep = prepare(job_file, _site(site), overrides, run_dir="/nonexistent/plan-only")
     layout = prep.plan
-    est = memory.for_job(prep.job, layout, prep.partition, file=None, force=True)
+    est = memory.job_estimate(prep.job, layout, prep.partition)
+    from milehpc.weights import cost
+
+    sync = cost.for_job(prep.job, layout, prep.partition)  # the weight sync's bytes, buckets and seconds on paper
     if as_json:
         data: dict[str, Any] = {"plan": layout.to_dict(), "summary": layout.summary(),
-                                "memory": [dict(zip(("rank", "item", "size", "note"), row, strict=True))
-                                           for row in memory.table_rows(est)],
+                                "memory": _memory_json(est), "weight_sync": sync.to_json() if sync else None,
                                 "weight_sync_groups": [{**g, "ranks": f"{g['ranks'][0]},{g['ranks'][1]}-{g['ranks'][-1]}"}
                                                        for g in layout.weight_sync_groups()]}
         if ranks:
@@ -174,8 +194,27 @@ def plan(job_file: str, site: str | None, overrides: tuple[str, ...], ranks: boo
         _emit(data)
     else:
         _print_plan(layout, est, ranks)
-    if not force:  # after the table: the one line says what to change
-        memory.for_job(prep.job, layout, prep.partition, file=job_label(job_file, overrides))
+        click.echo(f"weight sync per step: {cost.summary_line(sync)}")
+        for note in sync.notes if sync else ():
+            click.echo(f"note: {note}")
+    # After the table: the one line says what to change (--force: which checks it overrides).
+    memory.for_job(prep.job, layout, prep.partition, file=job_label(job_file, overrides), force=force or False)
+
+
+def _memory_json(est: Any) -> list[dict[str, Any]]:
+    """The estimate's rows with sizes in bytes (numbers); each rank's total row also has its budget in bytes."""
+    from milehpc.memory import table_rows
+
+    verdicts = iter(row[3] for row in table_rows(est) if row[1] == "total")
+    rows: list[dict[str, Any]] = []
+    for rank in est.ranks:
+        rows += [{"rank": rank.role, "item": i.name, "bytes": i.bytes, "note": i.note, "counted": True}
+                 for i in rank.items]
+        rows += [{"rank": rank.role, "item": i.name, "bytes": i.bytes, "note": i.note, "counted": False}
+                 for i in rank.extra]
+        rows.append({"rank": rank.role, "item": "total", "bytes": rank.total, "budget_bytes": rank.budget,
+                     "note": next(verdicts)})
+    return rows
 
 
 def _print_plan(layout: Any, est: Any, ranks: bool) -> None:
@@ -330,6 +369,29 @@ def plugins_show(name: str, as_json: bool) -> None:
 
 
 @cli.command(context_settings=CONTEXT)
+@click.argument("section", required=False, metavar="[SECTION]")
+@json_option
+def spec(section: str | None, as_json: bool) -> None:
+    """List the job-spec fields: type, default, range, help (every table, or one: model, trainer.lora, ...).
+
+    \b
+    Examples:
+      milehpc spec
+      milehpc spec trainer --json
+    """
+    from milehpc.config.spec_fields import spec_rows
+
+    rows = spec_rows(section)
+    if as_json:
+        _emit(rows)
+        return
+    for row in rows:
+        limits = f"; {row['range']}" if row["range"] else ""
+        click.echo(f"{row['name']}: {row['type']} = {row['default']}{limits}" + (f"  {row['help']}" if row["help"]
+                                                                               else ""))
+
+
+@cli.command(context_settings=CONTEXT)
 @click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]))
 def completion(shell: str) -> None:
     """Print the shell-completion script.
@@ -372,8 +434,24 @@ def launch(run_dir: str, entry: str | None) -> None:
 
 # ---- the job lifecycle (issue 3): status, logs, cancel, jobs, doctor ------------------------------------------
 
+def _job_id(target: str) -> str:
+    """A job id as given, or the newest recorded job of a run directory (as `stop` takes them)."""
+    from pathlib import Path
+
+    from milehpc.scheduler.stop import check_run_dir, job_of
+
+    if not Path(target).expanduser().is_dir():
+        return target
+    run_dir = check_run_dir(Path(target).expanduser())
+    job_id = job_of(run_dir)
+    if job_id is None:
+        raise MilehpcError(f"no milehpc job record for {run_dir} (submitted from another machine or user?)",
+                           field="JOBID|RUN_DIR")
+    return job_id
+
+
 @cli.command(context_settings=CONTEXT)
-@click.argument("job_ids", metavar="[JOBID]...", nargs=-1)
+@click.argument("job_ids", metavar="[JOBID|RUN_DIR]...", nargs=-1)
 @json_option
 def status(job_ids: tuple[str, ...], as_json: bool) -> None:
     """State of jobs (squeue, then sacct, then scontrol); no JOBID = this user's recent milehpc jobs.
@@ -381,13 +459,19 @@ def status(job_ids: tuple[str, ...], as_json: bool) -> None:
     \b
     Examples:
       milehpc status 1234 1235_2
+      milehpc status runs/demo-20250101-1200
       milehpc status --json
     """
     from milehpc.scheduler import lifecycle
 
+    job_ids = tuple(_job_id(t) for t in job_ids)
     ids = list(job_ids) or [r["job_id"] for r in lifecycle.jobs(limit=20, with_status=False)]
-    if not ids:
-        raise MilehpcError("no job ids given and no milehpc jobs recorded yet", field="JOBID")
+    if not ids:  # nothing submitted yet is no error (as `jobs`)
+        if as_json:
+            _emit([])
+        else:
+            click.echo("no milehpc jobs recorded yet")
+        return
     rows = lifecycle.status(ids)
     if as_json:
         _emit([r.to_dict() for r in rows])
@@ -405,7 +489,7 @@ def status(job_ids: tuple[str, ...], as_json: bool) -> None:
 
 
 @cli.command(context_settings=CONTEXT)
-@click.argument("job_id", metavar="JOBID")
+@click.argument("job_id", metavar="JOBID|RUN_DIR")
 @click.option("-f", "--follow", is_flag=True, help="keep printing new output until the job ends")
 @click.option("--rank", type=click.IntRange(min=0), metavar="N", help="only rank N (its own log file, if written)")
 @click.option("--path", "path_only", is_flag=True, help="print the log file's path instead of its content")
@@ -417,9 +501,11 @@ def logs(job_id: str, follow: bool, rank: int | None, path_only: bool) -> None:
       milehpc logs 1234 -f
       milehpc logs 1234 --rank 3
       milehpc logs 1234_2          # element 2 of a sweep
+      milehpc logs runs/demo-20250101-1200
     """
     from milehpc.scheduler import lifecycle
 
+    job_id = _job_id(job_id)
     if path_only:
         click.echo(str(lifecycle.log_path(job_id, rank)))
         return
@@ -518,7 +604,9 @@ def doctor(site: str | None, job_file: str | None, as_json: bool) -> None:
 @site_option
 @set_option
 @run_dir_option
-def run_cmd(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir: str | None) -> None:
+@force_option
+def run_cmd(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir: str | None,
+            force: str | None) -> None:
     """Write the run directory like `submit`, then run the job here in the foreground (mpirun on the local site).
 
     \b
@@ -528,7 +616,7 @@ def run_cmd(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir
     """
     from milehpc.runtime.foreground import run_job, summary
 
-    code, rdir = run_job(job_file, _site(site), overrides, run_dir=run_dir)
+    code, rdir = run_job(job_file, _site(site), overrides, run_dir=run_dir, force=force)
     line = summary(rdir)
     if line:
         click.echo(f"milehpc: {line}")
@@ -610,16 +698,21 @@ def eval_cmd(run_dir: str, data: str, step: int | None, n_samples: int | None, p
 
 
 @cli.command(context_settings=CONTEXT)
-@click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="PNG path (default RUN_DIR/reward.png)")
+@click.argument("run_dirs", metavar="RUN_DIR...", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="PNG path (default RUN_DIR/reward.png; one "
+              "RUN_DIR only)")
 @click.option("--metric", default="rollout/reward_mean", show_default=True, help="the metric to plot")
-def plot(run_dir: str, output: str | None, metric: str) -> None:
-    """Write a PNG of the reward curve of a run (needs matplotlib: pip install 'milehpc[plot]').
+def plot(run_dirs: tuple[str, ...], output: str | None, metric: str) -> None:
+    """Write a PNG of the reward curve of each run (needs matplotlib: pip install 'milehpc[plot]').
 
     \b
-    Example:
+    Examples:
       milehpc plot runs/cpu-demo-20261129-120000
+      milehpc plot runs/cpu-demo-*/                 # one RUN_DIR/reward.png each
     """
+    if output and len(run_dirs) > 1:
+        raise MilehpcError(f"expected one RUN_DIR with -o, got {len(run_dirs)} (each run gets RUN_DIR/reward.png "
+                           "without -o)", field="--output")
     from milehpc.errors import missing_dependency
 
     try:
@@ -628,7 +721,8 @@ def plot(run_dir: str, output: str | None, metric: str) -> None:
         raise missing_dependency("milehpc plot", "matplotlib", extra="plot") from None
     from milehpc.runtime.metrics import plot_rewards
 
-    click.echo(str(plot_rewards(run_dir, output, metric)))
+    for run_dir in run_dirs:
+        click.echo(str(plot_rewards(run_dir, output, metric)))
 
 
 # ---- export (issues 16 and 19) ---------------------------------------------------------------------------------

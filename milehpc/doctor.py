@@ -137,8 +137,16 @@ class Doctor:
                  + f", {part.devices.count} x {part.devices.vendor} per node")
         if part.scheduler == "slurm":
             self.check_slurm(part)
-        mpi = self.check_mpi4py()
-        self.check_launcher(part, mpi)
+        image = job.container.image if job is not None else None
+        if image and not (self.env.get("APPTAINER_CONTAINER") or self.env.get("SINGULARITY_CONTAINER")):
+            # The ranks run the container's Python and MPI: this node's mpi4py says nothing about them (inside the
+            # container, where Apptainer sets APPTAINER_CONTAINER, it is the one that counts and is checked).
+            self.add("mpi4py", OK, f"not checked here: the ranks run in the container {image}, whose MPI must "
+                     f"match the site's launcher (check it with: apptainer exec {image} milehpc doctor --site "
+                     f"{self.site_name})")
+        else:
+            mpi = self.check_mpi4py()
+            self.check_launcher(part, mpi)
         self.check_gpus(part)
         self.check_network(part)
         self.check_modules(part)
@@ -196,7 +204,7 @@ class Doctor:
 
         try:
             plan = make_plan(job, part, site=site.name, partition_name=part_name, file=self.job_file)
-            est = memory.for_job(job, plan, part, file=self.job_file, force=True)
+            est = memory.job_estimate(job, plan, part)
         except MilehpcError as err:
             self.add("memory", FAIL, str(err))
             return
@@ -204,14 +212,14 @@ class Doctor:
             big = rank.largest()
             what = f"{rank.role} rank: {memory.size(rank.total)} estimated (largest: {big.name} {memory.size(big.bytes)})"
             if rank.budget is None and part.devices.vendor == "none":
-                self.add("memory", OK, f"{what}; CPU partition: host memory is not checked")
+                self.add("memory", OK if rank.role != memory.NODE else WARN, f"{what}; {rank.budget_note}")
             elif rank.budget is None:
                 self.add("memory", WARN, f"{what}; the site does not say its device memory (devices.memory_gib)")
             elif not rank.fits:
                 self.add("memory", FAIL, f"{what} > {rank.budget / memory.GIB:.1f} GiB ({rank.budget_note}); "
                          + memory.suggestion(job, plan, part, rank.role, **memory.estimator_needs(job)))
             else:
-                level = WARN if rank.total > memory.TIGHT * rank.budget else OK
+                level = WARN if rank.required > memory.TIGHT * rank.budget else OK
                 self.add("memory", level, f"{what} of {rank.budget / memory.GIB:.1f} GiB ({rank.budget_note})")
 
     def check_slurm(self, part: Any) -> None:
@@ -394,6 +402,26 @@ class Doctor:
             self.add("container", FAIL, f"container.image {image} is not readable")
         elif exe:
             self.add("container", OK, f"{Path(exe).name} at {exe}, image {image}")
+        self.check_binds(part, job)
+
+    def check_binds(self, part: Any, job: Any) -> None:
+        """What the container will see: every path of the job bound (milehpc.render.binds), as submit renders it."""
+        from milehpc.render.binds import auto_binds, check_binds, job_paths
+        from milehpc.render.rundir import default_run_dir
+
+        run_dir = str(default_run_dir(job))
+        platform = part.containers.get(job.container.runtime)
+        paths = job_paths(job, run_dir, {**part.env, **job.env})
+        binds = [run_dir, *(platform.binds if platform else []), *job.container.binds]
+        added = auto_binds(paths, binds) if job.container.auto_binds else []
+        try:
+            check_binds(paths, [*binds, *added], allowed=platform.bind_roots if platform else [],
+                        site=self.site_name, file=self.job_file)
+        except MilehpcError as err:
+            self.add("container-binds", FAIL, str(err))
+            return
+        self.add("container-binds", OK, f"{len(paths)} job path(s) visible in the container"
+                 + (f"; milehpc binds {', '.join(added)}" if added else ""))
 
 
 def run_doctor(site: str, job_file: str | None = None) -> list[Finding]:

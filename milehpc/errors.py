@@ -56,3 +56,12 @@ def missing_dependency(what: str, package: str, extra: str = "gpu") -> PluginErr
         f"{what} needs the Python package '{package}', which is not installed "
         f"(install it in a GPU environment: pip install 'milehpc[{extra}]')"
     )
+
+
+def did_you_mean(name: str, choices: object) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``choices`` to a misspelled ``name`` (difflib), else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=0.75)  # type: ignore[attr-defined]
+    return f"; did you mean '{close[0]}'?" if close else ""
+

@@ -22,31 +22,48 @@ megatron trainer; ``model.dtype`` in the torch trainer):
 * **reference / critic / teacher** (torch trainer): the frozen KL reference and the teacher add their parameters;
   the critic (a value head on the same body) adds parameters, gradients and Adam moments.
 
-Per rollout rank of an engine of ``g = rollout.gpus_per_engine`` ranks:
+Per rollout rank of an engine of ``g = rollout.gpus_per_engine`` ranks, as the engine allocates it:
 
 * **weights** ``P / g`` at the engine's dtype (bf16 for SGLang under bf16/fp8 training, else ``model.dtype``);
-* **KV cache** for the engine's share of one step: ``ceil(prompts_per_step * over_sample / engines) * n_samples``
-  sequences of ``prompt + max_new_tokens`` tokens, ``2 * layers * kv_heads_per_rank * head_dim`` values per token
-  (``kv_heads_per_rank = max(1, kv_heads / g)``), at the engine dtype;
-* the budget is ``mem_fraction_static`` of the device (SGLang reserves it for weights + KV cache; unset = 0.5
-  colocated, else 0.88, SGLang's default for large GPUs); the reference engine may use the whole device.
+* **KV cache**, ``2 * layers * kv_heads_per_rank * head_dim`` values per token (``kv_heads_per_rank =
+  max(1, kv_heads / g)``) at the engine dtype, sized the way the engine sizes it:
 
-The prompt length is the task's own for ``task:`` sources (the toy tokenizer is one token per character) and
-:data:`ASSUMED_PROMPT_TOKENS` for a JSONL source (capped by the context). A colocated rank's peak depends on
-whether its engine offloads: SGLang's is released right after it starts (before the trainer is built and warmed
-up) and while the trainer steps (:mod:`milehpc.runtime.offload`), so the rank holds its trainer or its engine and each
-is checked against its own budget; the reference engines never offload, so the rank holds both at once and their sum
-is checked against the device. A device that is known and smaller than a
-rank's total cannot hold it: ``submit`` refuses that in one line naming the largest item and the smallest single
-change that fits (``--force`` submits anyway); the estimate leaves out the CUDA/ROCm context and allocator slack, so
-a total above :data:`TIGHT` of the device is flagged as tight. Checked against real bytes in tests/test_memory.py.
+  - SGLang (and vLLM alike) fixes a **pool** at start-up: ``mem_fraction_static`` of the device (unset = 0.5
+    colocated, else 0.88, SGLang's default for large GPUs) less the weights. Requests beyond the pool queue, so the
+    step's batch size does not matter; the rank fits when the weights plus the KV of one full-length sequence fit
+    that fraction (SGLang refuses to start otherwise, and refuses a request longer than its pool). On a CPU partition
+    the engine's device is ``rollout.options.cpu_memory_gib`` and the pool is capped by ``max_total_tokens``
+    (milehpc.rollout.sglang_engine.CPU_SERVER_ARGS, whose mem_fraction_static 0.5 applies there too).
+  - the reference engine decodes its whole share of a step as one batch (one ``DynamicCache``), so it holds
+    ``ceil(prompts_per_step * over_sample / engines) * n_samples`` sequences of ``prompt + max_new_tokens`` tokens at
+    once, against the whole device.
+
+The prompt length is the task's own for ``task:`` sources (the toy tokenizer is one token per character),
+``data.max_prompt_tokens`` when the job sets it (longer prompts are dropped), else :data:`ASSUMED_PROMPT_TOKENS`
+(capped by the context) for a file source, named by its real format. A colocated rank's peak depends on whether its
+engine offloads: SGLang's is released right after it starts (before the trainer is built and warmed up) and while
+the trainer steps (:mod:`milehpc.runtime.offload`), so on a GPU the rank holds its trainer or its engine and each is
+checked against its own budget; the reference engines never offload, nor does SGLang on a CPU (no
+torch_memory_saver), so such a rank holds both at once and their sum is checked against the device.
+
+**CPU partitions**: the ranks of a node share its host memory, so the node's ranks together (on its most loaded
+node) are checked against it: the site's ``mem_per_node_gib``, or this machine's ``MemTotal`` for a ``local``
+partition (the total, not the free memory: what else runs is not the job's budget).
+
+A device (or node) that is known and smaller than a rank's total cannot hold it: ``submit`` refuses that in one line
+naming the largest item and the smallest single change that fits, checked like the job itself (schema, layout and
+rules) before it is printed; ``--force`` accepts it, naming every check it overrides, and ``--force-only ROLE-memory``
+overrides that role's check only. The estimate leaves out the CUDA/ROCm context and allocator slack, so a total
+above :data:`TIGHT` of the device is flagged as tight. Checked against real bytes and measured peaks in
+tests/test_memory.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,11 +78,21 @@ GIB = 1 << 30
 ASSUMED_PROMPT_TOKENS = 512
 # The toy tokenizer's size (milehpc.data.tokenizer.CharTokenizer; tests/test_memory.py keeps the two equal).
 TOY_VOCAB_SIZE = 55
+# Facts of higher layers this pure module may not import; tests/test_memory.py keeps each equal to its source:
+PARQUET_SUFFIXES = (".parquet", ".pq")  # milehpc.data.readers.PARQUET_SUFFIXES
+# A CPU SGLang engine's mem_fraction_static and max_total_tokens (milehpc.rollout.sglang_engine.CPU_SERVER_ARGS).
+SGLANG_CPU_FRACTION = 0.5
+SGLANG_CPU_MAX_TOTAL_TOKENS = 4096
 # Sizes of one element.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SGLANG_DEFAULT_FRACTION = 0.88
 TIGHT = 0.9
 COLOCATED = "colocated"  # the role of a rank that holds its trainer and its engine at once
+NODE = "node"  # a CPU node: its ranks together against its host memory
+# What --force-only NAME overrides; bare --force (True, or "memory") overrides every memory check.
+FORCE_CHECKS = {f"{role}-memory": role for role in ("trainer", "rollout", COLOCATED, NODE)}
+MEMINFO = Path("/proc/meminfo")
+CPU_NOTE = "CPU: checked with its node's ranks against the host memory (node)"
 # Prompt tokens of the toy tasks besides their digits: BOS, "sort:" ... "=" (BOS, "add:" a "+" b "=").
 _TOY_PROMPT_EXTRA = {"sort": 7, "reverse": 6, "addition": 7}
 
@@ -107,14 +134,22 @@ class RankMemory:
     budget: int | None
     budget_note: str = ""
     extra: list[Item] = field(default_factory=list)  # shown, not counted (e.g. with recomputation)
+    # What must fit the budget when less than the total: an SGLang engine's pool takes whatever its fraction leaves
+    # after the weights, so it needs only the weights and one sequence's KV (``need_note`` says so).
+    need: int | None = None
+    need_note: str = ""
 
     @property
     def total(self) -> int:
         return sum(i.bytes for i in self.items)
 
     @property
+    def required(self) -> int:
+        return self.total if self.need is None else self.need
+
+    @property
     def fits(self) -> bool:
-        return self.budget is None or self.total <= self.budget
+        return self.budget is None or self.required <= self.budget
 
     def largest(self) -> Item:
         return max(self.items, key=lambda i: i.bytes)
@@ -209,6 +244,16 @@ def engine_weights(s: Shape) -> int:
 
 # ---- lengths -----------------------------------------------------------------------------------------------------
 
+def source_format(source: str) -> str:
+    """The format the ranks will read ``source`` as (milehpc.data.readers decides it the same way)."""
+    if source.startswith("task:"):
+        return "task"
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return "datasets folder"
+    return "Parquet" if path.suffix.lower() in PARQUET_SUFFIXES else "JSONL"
+
+
 def prompt_tokens(job: JobSpec) -> tuple[int, str]:
     """The longest prompt in tokens, and how it was found."""
     src = job.data.source
@@ -219,20 +264,29 @@ def prompt_tokens(job: JobSpec) -> tuple[int, str]:
         n = digits + _TOY_PROMPT_EXTRA.get(task, 8)
         return n, f"{n} prompt tokens (the task's longest)"
     cap = max(1, job.model.max_position_embeddings - job.rollout.max_new_tokens)
-    return min(ASSUMED_PROMPT_TOKENS, cap), f"assumed {min(ASSUMED_PROMPT_TOKENS, cap)} prompt tokens (JSONL source)"
+    limit = job.data.max_prompt_tokens
+    if limit:  # longer prompts are dropped at the start: none is longer
+        return min(limit, cap), f"{min(limit, cap)} prompt tokens (data.max_prompt_tokens)"
+    n = min(ASSUMED_PROMPT_TOKENS, cap)
+    return n, f"assumed {n} prompt tokens ({source_format(src)} source; data.max_prompt_tokens bounds them)"
 
 
 # ---- the trainer -------------------------------------------------------------------------------------------------
 
-def activation_elements(s: Shape, *, tokens: int, tp: int, layers: int, recompute: bool) -> tuple[int, int]:
+def activation_elements(s: Shape, *, tokens: int, tp: int, layers: int, recompute: bool, selective: bool = False,
+                        sp: bool = False) -> tuple[int, int]:
     """(elements in the parameters' dtype, fp32 elements) saved for the backward of one micro-batch of ``tokens``
     tokens: per layer and token ``4h`` replicated (both RMSNorms' input and output) and ``(4h + 3kv + 4f) / tp``
     split (q and k before and after RoPE, v, the fused attention's output and the output projection's input,
     SwiGLU's gate, up, silu(gate) and product); the final norm (``2h``); the logits and their log-softmax in fp32
     (``2 V / tp``). With full recomputation each layer keeps its input (``h``) plus one layer during its recompute.
-    Attention is fused (SDPA/flash on CPU and GPU alike): no ``heads x seq`` probabilities are kept."""
+    Attention is fused (SDPA/flash on CPU and GPU alike): no ``heads x seq`` probabilities are kept. ``selective``
+    (Megatron's core-attention recomputation) drops the attention's own saved output (``h / tp``: its inputs are
+    kept for the recompute, its output is the projection's input); ``sp`` (sequence parallelism) splits the
+    replicated ``4h`` (the norms' tensors live on 1/tp of the sequence), Korthikanti et al. 2022, table 2."""
     kv = s.kv_heads * s.head_dim
-    per_layer = 4 * s.hidden + (4 * s.hidden + 3 * kv + 4 * s.ffn) // tp
+    split = 4 * s.hidden + 3 * kv + 4 * s.ffn - (s.hidden if selective else 0)
+    per_layer = (4 * s.hidden) // (tp if sp else 1) + split // tp
     kept = layers * s.hidden + per_layer if recompute else layers * per_layer
     return tokens * (kept + 2 * s.hidden), tokens * 2 * -(-s.vocab // tp)
 
@@ -272,13 +326,21 @@ def trainer_items(job: JobSpec, s: Shape, *, needs_critic: bool = False, needs_t
                       + (f", distributed over dp={tr.dp}" if share > 1 else "") + note))
     seq = prompt_tokens(job)[0] + job.rollout.max_new_tokens
     tokens = tr.micro_batch_size * seq
+    shape = f"micro-batch {tr.micro_batch_size} x {seq} tokens"
+    if tr.max_tokens_per_micro_batch:  # issue 33: sequences packed up to the budget (a longer one alone)
+        tokens = max(tr.max_tokens_per_micro_batch, seq)
+        shape = f"micro-batch of {tokens} tokens (trainer.max_tokens_per_micro_batch)"
     layers = -(-s.layers // tr.pp)
     act_e = e if megatron else DTYPE_BYTES[job.model.dtype]
-    (plain, fp32), (plain_rc, fp32_rc) = (activation_elements(s, tokens=tokens, tp=tr.tp, layers=layers, recompute=rc)
-                                          for rc in (False, True))
+    (plain, fp32), (plain_rc, fp32_rc) = (activation_elements(
+        s, tokens=tokens, tp=tr.tp, layers=layers, recompute=rc, selective=tr.recompute == "selective" and not rc,
+        sp=tr.sequence_parallel) for rc in (tr.recompute == "full", True))
+    how = {"none": "no recomputation", "full": "full recomputation: each layer's input + one layer",
+           "selective": "selective recomputation (core attention)"}[tr.recompute]
     items.append(Item("activations", plain * act_e + fp32 * 4,
-                      f"micro-batch {tr.micro_batch_size} x {seq} tokens, no recomputation"))
-    extra = [Item("activations (full recompute)", plain_rc * act_e + fp32_rc * 4, "each layer's input + one layer")]
+                      f"{shape}, {how}" + (", sequence parallel" if tr.sequence_parallel else "")))
+    extra = [] if tr.recompute == "full" else [Item("activations (full recompute)", plain_rc * act_e + fp32_rc * 4,
+                                                    "each layer's input + one layer")]
     full = stage_params(s)[0]
     if job.algorithm.kl_coef > 0:
         items.append(Item("KL reference model", full * e, "frozen copy"))
@@ -292,71 +354,169 @@ def trainer_items(job: JobSpec, s: Shape, *, needs_critic: bool = False, needs_t
 
 # ---- the engines -------------------------------------------------------------------------------------------------
 
-def engine_items(job: JobSpec, s: Shape) -> list[Item]:
-    ro = job.rollout
-    g = ro.gpus_per_engine
-    e = 2 if ro.engine == "sglang" and job.trainer.precision != "fp32" else DTYPE_BYTES[job.model.dtype]
-    weights = engine_weights(s) * e // g
-    prompts = math.ceil(ro.prompts_per_step * ro.over_sample / ro.engines)
-    seq = prompt_tokens(job)[0] + ro.max_new_tokens
-    kv_heads = max(1, s.kv_heads // g)
-    kv = prompts * ro.n_samples * seq * 2 * s.layers * kv_heads * s.head_dim * e
-    return [Item("engine weights", weights, f"1/{g} of the model" if g > 1 else "the whole model"),
-            Item("KV cache", kv, f"{prompts} prompts x {ro.n_samples} samples x {seq} tokens per engine")]
+def _engine_dtype_bytes(job: JobSpec) -> int:
+    return 2 if job.rollout.engine == "sglang" and job.trainer.precision != "fp32" else DTYPE_BYTES[job.model.dtype]
 
 
-def engine_fraction(job: JobSpec) -> float:
+def kv_bytes_per_token(job: JobSpec, s: Shape) -> int:
+    """K and V of one token on one rank of an engine (its share of the KV heads)."""
+    kv_heads = max(1, s.kv_heads // job.rollout.gpus_per_engine)
+    return 2 * s.layers * kv_heads * s.head_dim * _engine_dtype_bytes(job)
+
+
+def engine_fraction(job: JobSpec, partition: Partition | None = None) -> float:
+    """The share of its device an engine starts with: SGLang's mem_fraction_static as milehpc passes it
+    (milehpc.rollout.sglang_mapping, and CPU_SERVER_ARGS on a CPU), the whole device for the reference engine."""
     if job.rollout.engine != "sglang":
         return 1.0
     asked = job.rollout.options.get("mem_fraction_static")
     if asked is not None:
         return float(asked)
+    if partition is not None and partition.devices.vendor == "none":
+        return SGLANG_CPU_FRACTION
     return 0.5 if job.resources.colocate else SGLANG_DEFAULT_FRACTION
+
+
+def engine_rank(job: JobSpec, s: Shape, partition: Partition, device: int | None) -> RankMemory:
+    """One rollout rank: the engine's weights and its KV cache as the engine sizes it (see the module doc)."""
+    ro = job.rollout
+    g = ro.gpus_per_engine
+    weights = engine_weights(s) * _engine_dtype_bytes(job) // g
+    weights_item = Item("engine weights", weights, f"1/{g} of the model" if g > 1 else "the whole model")
+    seq = prompt_tokens(job)[0] + ro.max_new_tokens
+    per_token = kv_bytes_per_token(job, s)
+    share = math.ceil(ro.prompts_per_step * ro.over_sample / ro.engines) * ro.n_samples
+    frac = engine_fraction(job, partition)
+    unknown = CPU_NOTE if partition.devices.vendor == "none" else "device memory unknown (site devices.memory_gib)"
+    if ro.engine != "sglang":  # the reference engine: its share decoded as one batch, every sequence resident
+        kv = Item("KV cache", share * seq * per_token, f"{share} sequences x {seq} tokens decoded as one batch "
+                  "(reference engine)")
+        return RankMemory("rollout", [weights_item, kv], device, "device" if device else unknown)
+    cap = None
+    if partition.devices.vendor == "none":  # a CPU engine's device is its explicit budget (sglang_cpu_memory)
+        from milehpc.config.sglang_options import parse_options
+
+        opts = parse_options(ro.options)
+        device = int(opts.cpu_memory_gib * GIB)
+        cap = int(opts.server_args.get("max_total_tokens", SGLANG_CPU_MAX_TOTAL_TOKENS))
+    one = seq * per_token
+    need_note = f"the weights and one sequence's KV ({seq} tokens)"
+    if device is None:
+        kv = Item("KV pool", one, f"at least one sequence of {seq} tokens; the pool is mem_fraction_static of the "
+                  "device less the weights")
+        return RankMemory("rollout", [weights_item, kv], None, unknown)
+    budget = int(device * frac)
+    tokens = max(0, budget - weights) // per_token
+    if cap is not None:
+        tokens = min(tokens, cap)
+    at_once = tokens // seq
+    kv = Item("KV pool", tokens * per_token,
+              f"{tokens:,} tokens: {at_once:,} sequences of {seq} at once" + (
+                  f" (the step's {share} per engine queue)" if share > at_once else ""))
+    where = "rollout.options.cpu_memory_gib" if cap is not None else "the device"
+    return RankMemory("rollout", [weights_item, kv], budget, f"{frac:g} of {where}", need=weights + one,
+                      need_note=need_note)
+
+
+def engine_offloads(job: JobSpec, partition: Partition | None = None) -> bool:
+    """Whether a colocated engine gives the device back to the trainer (milehpc.runtime.offload.for_job drives only
+    SGLang's release/resume, and on a CPU SGLang runs without its memory saver: nothing is released)."""
+    return job.rollout.engine == "sglang" and (partition is None or partition.devices.vendor != "none")
+
+
+# ---- CPU nodes ---------------------------------------------------------------------------------------------------
+
+def host_memory(partition: Partition) -> tuple[int | None, str]:
+    """A CPU node's memory and where it came from: the site's mem_per_node_gib, else this machine's MemTotal for a
+    local partition (the total: what other processes hold now is not what the job may use)."""
+    if partition.mem_per_node_gib:
+        return int(partition.mem_per_node_gib * GIB), "host memory, the site's mem_per_node_gib"
+    if partition.scheduler == "local":
+        try:
+            for line in MEMINFO.read_text(encoding="ascii").splitlines():
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024, "host memory, this machine's MemTotal"
+        except (OSError, ValueError, IndexError):
+            pass
+    return None, "host memory unknown (site mem_per_node_gib)"
+
+
+def _overlap(a: int, b: int, c: int, d: int) -> int:
+    return max(0, min(b, d) - max(a, c))
+
+
+def node_memory(ranks: list[RankMemory], plan: Plan, partition: Partition) -> RankMemory:
+    """The most loaded node's ranks together against the node's host memory."""
+    host, note = host_memory(partition)
+    by_role = {r.role: r for r in ranks}
+    per = plan.ranks_per_node
+    best: list[Item] = []
+    for n in range(plan.nodes):
+        lo, hi = n * per, min(plan.world_size, (n + 1) * per)
+        counts = {"trainer": _overlap(lo, hi, 0, plan.trainer_ranks),
+                  "rollout": _overlap(lo, hi, plan.rollout_first, plan.rollout_first + plan.rollout_ranks)}
+        if COLOCATED in by_role:
+            counts = {COLOCATED: hi - lo}
+        items = [Item(f"{k} {role} rank{'s' if k > 1 else ''}", k * by_role[role].total,
+                      f"{k} x {size(by_role[role].total)}") for role, k in counts.items() if k and role in by_role]
+        if sum(i.bytes for i in items) > sum(i.bytes for i in best):
+            best = items
+    return RankMemory(NODE, best or [Item("no ranks", 0)], host, note)
 
 
 # ---- the whole plan ----------------------------------------------------------------------------------------------
 
 def estimate(job: JobSpec, plan: Plan, partition: Partition, *, vocab_size: int | None = None,
              needs_critic: bool = False, needs_teacher: bool = False) -> Estimate:
-    """Per-rank memory of ``plan`` on ``partition``'s devices (see the module doc for every formula)."""
+    """Per-rank memory of ``plan`` on ``partition``'s devices (see the module doc for every formula); on a CPU
+    partition, also its most loaded node against the node's host memory."""
     shape, notes = model_shape(job, vocab_size)
+    cpu = partition.devices.vendor == "none"
     gib = partition.devices.memory_gib
     device = int(gib * GIB) if gib and partition.devices.count else None
     titems, extra = trainer_items(job, shape, needs_critic=needs_critic, needs_teacher=needs_teacher)
-    eitems = engine_items(job, shape)
-    frac = engine_fraction(job)
     notes.append(prompt_tokens(job)[1])
-    unknown = ("CPU partition: host memory, not checked" if partition.devices.vendor == "none" else
-               "device memory unknown (site devices.memory_gib)")
+    unknown = CPU_NOTE if cpu else "device memory unknown (site devices.memory_gib)"
     trainer = RankMemory("trainer", titems, device, "device" if device else unknown, extra)
-    engine = RankMemory("rollout", eitems, int(device * frac) if device else None,
-                        unknown if not device else f"{frac:g} of the device" if frac < 1 else "device")
-    if plan.colocated and not engine_offloads(job):
+    engine = engine_rank(job, shape, partition, device)
+    if plan.colocated and not engine_offloads(job, partition):
         notes.append(f"colocated: the {job.rollout.engine} engine stays resident beside the trainer, so the rank "
                      "holds both")
-        both = RankMemory(COLOCATED, titems + eitems, device, trainer.budget_note, extra)
-        return Estimate([both], device, notes)
-    if plan.colocated:
+        ranks = [RankMemory(COLOCATED, titems + engine.items, device, trainer.budget_note, extra)]
+    elif plan.colocated:
         notes.append("colocated: the engine is released at start-up (before the trainer is built) and while the "
                      "trainer steps; each side is checked against its own budget and the one that does not fit "
                      "(else the larger) is shown")
         # Not simply the larger total: the engine's budget is mem_fraction_static of the device, so a smaller
         # engine side can overflow while a larger trainer side fits.
-        side = next((r for r in (trainer, engine) if not r.fits), max(trainer, engine, key=lambda r: r.total))
-        return Estimate([side], device, notes)
-    return Estimate([trainer, engine], device, notes)
+        ranks = [next((r for r in (trainer, engine) if not r.fits), max(trainer, engine, key=lambda r: r.total))]
+    else:
+        ranks = [trainer, engine]
+    if cpu:
+        ranks.append(node_memory(ranks, plan, partition))
+    return Estimate(ranks, device, notes)
 
 
-def engine_offloads(job: JobSpec) -> bool:
-    """Whether a colocated engine gives the device back to the trainer (milehpc.runtime.offload.for_job drives only
-    SGLang's release/resume; the reference engines keep their weights and cache resident)."""
-    return job.rollout.engine == "sglang"
+def _candidate(job: JobSpec, plan: Plan, partition: Partition, table: str, key: str, value: object,
+               ) -> tuple[JobSpec, Plan] | None:
+    """``job`` with ``table.key = value`` and its plan, when the changed job passes what submit checks (schema,
+    layout, the job's and the site's rules); None when it would be refused."""
+    from milehpc.config.load import job_from_dict
+    from milehpc.config.rules import check_job_rules, check_site_rules
+    from milehpc.config.schema import to_dict
+    from milehpc.errors import MilehpcError
+    from milehpc.plan import make_plan
 
-
-def _change(job: JobSpec, table: str, key: str, value: object) -> tuple[str, JobSpec]:
-    """``job`` with ``table.key = value``, and how to say so."""
-    text = str(value).lower() if isinstance(value, bool) else str(value)
-    return f"{table}.{key} = {text}", replace(job, **{table: replace(getattr(job, table), **{key: value})})
+    data = to_dict(job)
+    data[table][key] = value
+    try:
+        changed = job_from_dict(data)
+        new_plan = make_plan(changed, partition, site=plan.site, partition_name=plan.partition)
+        check_job_rules(changed)
+        check_site_rules(changed, partition)
+    except MilehpcError:
+        return None
+    return changed, new_plan
 
 
 def _doubling(start: int, most: int) -> list[int]:
@@ -370,47 +530,73 @@ def _halving(start: int) -> list[int]:
 def suggestion(job: JobSpec, plan: Plan, partition: Partition, role: str, **needs: bool) -> str:
     """The smallest single change that makes ``role``'s ranks fit (what to set, and how much the rank then needs),
     tried in this order: trainer — the distributed optimizer, more TP, a smaller micro-batch, more PP; rollout —
-    more GPUs per engine, fewer prompts per step; a colocated rank holding both — the trainer's, then the rollout's."""
+    more GPUs per engine, fewer prompts per step; a colocated rank holding both, or a CPU node — the trainer's, then
+    the rollout's. A change is printed only when the changed job passes every check submit makes."""
     tr, ro = job.trainer, job.rollout
     per_node = partition.slots_per_node
-    tries = []
-    if role in ("trainer", COLOCATED):
-        tries += [_change(job, "trainer", "distributed_optimizer", True)] \
-            if not tr.distributed_optimizer and tr.dp > 1 and tr.backend == "megatron" else []
-        tries += [_change(job, "trainer", "tp", tp) for tp in _doubling(tr.tp, per_node)
-                  if job.model.num_heads % tp == 0]
-        tries += [_change(job, "trainer", "micro_batch_size", m) for m in _halving(tr.micro_batch_size)]
-        tries += [_change(job, "trainer", "pp", pp) for pp in _doubling(tr.pp, job.model.num_layers)]
-    if role in ("rollout", COLOCATED):
-        tries += [_change(job, "rollout", "gpus_per_engine", g) for g in _doubling(ro.gpus_per_engine, per_node)]
-        tries += [_change(job, "rollout", "prompts_per_step", n) for n in _halving(ro.prompts_per_step)]
-    for change, candidate in tries:
-        est = estimate(candidate, plan, partition, **needs)
-        rank = next(r for r in est.ranks if r.role == role or len(est.ranks) == 1)
-        if rank.fits:
-            return f"set {change} ({rank.total / GIB:.1f} GiB per rank)"
+    tries: list[tuple[str, str, object]] = []
+    if role in ("trainer", COLOCATED, NODE):
+        if not tr.distributed_optimizer and tr.dp > 1 and tr.backend == "megatron":
+            tries.append(("trainer", "distributed_optimizer", True))
+        tries += [("trainer", "tp", tp) for tp in _doubling(tr.tp, per_node)]
+        tries += [("trainer", "micro_batch_size", m) for m in _halving(tr.micro_batch_size)]
+        tries += [("trainer", "pp", pp) for pp in _doubling(tr.pp, 1 << 12)]
+    if role in ("rollout", COLOCATED, NODE):
+        tries += [("rollout", "gpus_per_engine", g) for g in _doubling(ro.gpus_per_engine, per_node)]
+        tries += [("rollout", "prompts_per_step", n) for n in _halving(ro.prompts_per_step)]
+    for table, key, value in tries:
+        found = _candidate(job, plan, partition, table, key, value)
+        if found is None:
+            continue
+        est = estimate(*found, partition, **needs)
+        rank = next((r for r in est.ranks if r.role == role), None)
+        if rank is not None and est.overflow() is None:
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            return f"set {table}.{key} = {text} ({_gib(rank.required)} {'per node' if role == NODE else 'per rank'})"
     return "no single change fits: use more GPUs per model copy (trainer.tp/pp, rollout.gpus_per_engine) or a " \
            "smaller model"
 
 
-def check_fits(job: JobSpec, plan: Plan, partition: Partition, *, file: str | None, **needs: bool) -> Estimate:
-    """The estimate, or one line when a rank cannot fit its device: the largest item and the smallest change."""
+def _what(rank: RankMemory) -> str:
+    return "the ranks of one node" if rank.role == NODE else f"a {rank.role} rank"
+
+
+def _needs(rank: RankMemory) -> str:
+    return _gib(rank.required) + (f" for {rank.need_note}" if rank.need is not None else "")
+
+
+def check_fits(job: JobSpec, plan: Plan, partition: Partition, *, file: str | None, force: bool | str = False,
+               **needs: bool) -> Estimate:
+    """The estimate, or one line when a rank (or a CPU node) cannot fit: the largest item and the smallest change.
+    ``force``: True (or "memory") accepts every overflow, "ROLE-memory" that role's only; each one accepted is
+    named on stderr."""
     est = estimate(job, plan, partition, **needs)
-    bad = est.overflow()
-    if bad is None:
-        return est
-    big = bad.largest()
-    budget = bad.budget or 0
-    fix = suggestion(job, plan, partition, bad.role, **needs)
-    field_name = {"trainer": "trainer", COLOCATED: "resources.colocate"}.get(bad.role, "rollout")
-    raise ConfigError(f"expected a {bad.role} rank to fit {budget / GIB:.1f} GiB ({bad.budget_note}), got an estimated "
-                      f"{bad.total / GIB:.1f} GiB, the largest item {big.name} {big.bytes / GIB:.1f} GiB; {fix}, "
-                      "or submit with --force", file=file, field=field_name)
+    forced = set(FORCE_CHECKS.values()) if force in (True, "memory") else {FORCE_CHECKS[force]} if force else set()
+    bad = [r for r in est.ranks if not r.fits]
+    refused = next((r for r in bad if r.role not in forced), None)
+    if refused is not None:
+        big = refused.largest()
+        fix = suggestion(job, plan, partition, refused.role, **needs)
+        field_name = {"trainer": "trainer", COLOCATED: "resources.colocate", NODE: "resources"}.get(refused.role,
+                                                                                                   "rollout")
+        raise ConfigError(f"expected {_what(refused)} to fit {(refused.budget or 0) / GIB:.1f} GiB "
+                          f"({refused.budget_note}), got an estimated {_needs(refused)}, the largest item {big.name} "
+                          f"{_gib(big.bytes)}; {fix}, or submit with --force-only {refused.role}-memory",
+                          file=file, field=field_name)
+    for rank in bad:  # every one overridden, by name: --force never switches a check off silently
+        print(f"milehpc: warning: --force overrides the {rank.role}-memory check: {_what(rank)} needs an estimated "
+              f"{_needs(rank)}, above {_gib(rank.budget or 0)} ({rank.budget_note})", file=sys.stderr)
+    return est
 
 
 def size(n: int) -> str:
     """Bytes as GiB (MiB below one GiB: the CPU models are small)."""
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.2f} MiB"
+
+
+def _gib(n: int) -> str:
+    """Bytes for a one-line message: GiB to one decimal (MiB when that would read 0.0)."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB // 10 else size(n)
 
 
 def table_rows(est: Estimate) -> list[tuple[str, str, str, str]]:
@@ -424,9 +610,10 @@ def table_rows(est: Estimate) -> list[tuple[str, str, str, str]]:
         if rank.budget is None:
             verdict = rank.budget_note
         else:
-            use = rank.total / rank.budget
+            use = rank.required / rank.budget
             verdict = ("DOES NOT FIT" if use > 1 else "tight" if use > TIGHT else "fits") + \
-                f" {use:.0%} of {rank.budget / GIB:.1f} GiB ({rank.budget_note})"
+                f" {use:.0%} of {rank.budget / GIB:.1f} GiB ({rank.budget_note})" + \
+                (f": {rank.need_note}; the KV pool takes the rest" if rank.need is not None else "")
         rows.append((rank.role, "total", size(rank.total), verdict))
     return rows
 
@@ -450,9 +637,12 @@ def estimator_needs(job: JobSpec) -> dict[str, bool]:
             "needs_teacher": bool(getattr(est, "needs_teacher", False))}
 
 
-def for_job(job: JobSpec, plan: Plan, partition: Partition, *, file: str | None, force: bool = False) -> Estimate:
-    """The job's estimate; unless ``force``, one :class:`ConfigError` line when a rank cannot fit its device."""
-    kw = estimator_needs(job)
-    if force:
-        return estimate(job, plan, partition, **kw)
-    return check_fits(job, plan, partition, file=file, **kw)
+def job_estimate(job: JobSpec, plan: Plan, partition: Partition) -> Estimate:
+    """The job's estimate, checking nothing (the table of ``plan`` and ``doctor``)."""
+    return estimate(job, plan, partition, **estimator_needs(job))
+
+
+def for_job(job: JobSpec, plan: Plan, partition: Partition, *, file: str | None, force: bool | str = False) -> Estimate:
+    """The job's estimate; one :class:`ConfigError` line when a rank (or CPU node) cannot fit, unless ``force``
+    overrides that check (:func:`check_fits`)."""
+    return check_fits(job, plan, partition, file=file, force=force, **estimator_needs(job))

@@ -41,7 +41,8 @@ def lean_transformers_import() -> Iterator[None]:
     None (Python's import system reference), which is how transformers and torch probe optional packages; the
     entries go when the block ends, so a reward that imports scipy later still gets it (transformers' own cached
     ``is_scipy_available()`` / ``is_torchvision_available()`` and torch's triton probe stay False in this process:
-    image processors and detection losses, which a text model on a CPU rank never runs). Packages already imported
+    image processors and detection losses, which a text model on a CPU rank never runs; probes cached True before
+    the block, by a tokenizer loaded first, are forgotten on entry). Packages already imported
     stay; with a GPU nothing is hidden (torch.compile and SGLang need triton there, and memory is not short)."""
     import torch
 
@@ -49,12 +50,32 @@ def lean_transformers_import() -> Iterator[None]:
     hidden = [] if gpu else [name for name in LEAN_HIDDEN if name not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # type: ignore[assignment]
+    _forget_availability(hidden)
     try:
         yield
     finally:
         for name in hidden:
             if sys.modules.get(name, 0) is None:
                 del sys.modules[name]
+
+
+# Where transformers and torch cache "is this optional package installed?" (functools caches of find_spec probes).
+_PROBE_MODULES = ("transformers.utils.import_utils", "torch.utils._triton")
+
+
+def _forget_availability(hidden: list[str]) -> None:
+    """Drop the cached probes that name a hidden package, so they ask again and see it absent.
+
+    A rank that touched transformers before its model (a tokenizer folder loads first) has ``is_scipy_available()``
+    cached True; the model's import then takes the ``from scipy.optimize import ...`` branch into the hidden package
+    and every family fails with "Could not import module 'Qwen2ForCausalLM'" (issue 32)."""
+    for module_name in _PROBE_MODULES:
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue  # not imported yet: its first probe runs inside the block and sees the hiding
+        for attr, fn in vars(module).items():
+            if callable(getattr(fn, "cache_clear", None)) and any(name in attr for name in hidden):
+                fn.cache_clear()
 
 
 def _family(name: str) -> tuple[Any, Any, Any]:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from milehpc.config.job import JobSpec
+from milehpc.config.shape import ModelShape, table_shape
 from milehpc.config.site import Partition
 from milehpc.errors import ConfigError
 
@@ -158,8 +159,11 @@ class Plan:
             raise ValueError(f"rank {rank} outside world of {self.world_size}")
 
 
-def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: str, file: str | None = None) -> Plan:
-    """Lay out ranks for ``job`` on ``partition``; impossible layouts raise a one-line ConfigError."""
+def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: str, file: str | None = None,
+              shape: ModelShape | None = None) -> Plan:
+    """Lay out ranks for ``job`` on ``partition``; impossible layouts raise a one-line ConfigError. ``shape`` is the
+    model's (:func:`milehpc.config.shape.model_shape`: a checkpoint folder's config.json); None = the [model]
+    table's (this function reads no file)."""
     tr, ro = job.trainer, job.rollout
     per_node = partition.slots_per_node
     gpus = partition.devices.count
@@ -181,16 +185,7 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
     if tr.ep > 1 and (tr.dp * tr.tp) % tr.ep:
         raise ConfigError(f"expected trainer.ep to divide dp*tp ({tr.dp * tr.tp}), got {tr.ep}",
                           file=file, field="trainer.ep")
-    if job.model.num_experts and tr.ep > job.model.num_experts:
-        raise ConfigError(f"expected trainer.ep <= model.num_experts ({job.model.num_experts}), got {tr.ep}",
-                          file=file, field="trainer.ep")
-    kv = job.model.num_kv_heads
-    if job.model.num_heads % tr.tp or (kv % tr.tp and tr.tp % kv):
-        raise ConfigError(f"expected trainer.tp to divide model.num_heads ({job.model.num_heads}), got {tr.tp}",
-                          file=file, field="trainer.tp")
-    if job.model.num_layers % tr.pp:
-        raise ConfigError(f"expected trainer.pp to divide model.num_layers ({job.model.num_layers}), got {tr.pp}",
-                          file=file, field="trainer.pp")
+    check_shape(job, shape or table_shape(job.model), file=file)
     trainer_ranks = tr.ranks
     rollout_ranks = ro.engines * ro.gpus_per_engine
     if job.resources.colocate:
@@ -210,7 +205,14 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
         if job.resources.nodes < nodes:
             raise ConfigError(f"the layout needs {nodes} node(s) of {per_node} ranks, got {job.resources.nodes}",
                               file=file, field="resources.nodes")
-        nodes = job.resources.nodes
+        if job.resources.nodes > partition.max_nodes:
+            raise ConfigError(f"the layout needs {job.resources.nodes} node(s); partition '{partition_name}' allows "
+                              f"{partition.max_nodes}", file=file, field="resources.nodes")
+        if job.resources.nodes > nodes:  # Slurm would allocate them and no rank would run there
+            raise ConfigError(f"expected resources.nodes = {nodes} (the layout's {world} ranks fill {nodes} node(s) "
+                              f"of {per_node}; {job.resources.nodes - nodes} more would sit idle): add rollout engines "
+                              f"or trainer ranks to use them, or leave resources.nodes unset, got {job.resources.nodes}",
+                              file=file, field="resources.nodes")
     if nodes > partition.max_nodes:
         raise ConfigError(f"the layout needs {nodes} node(s); partition '{partition_name}' allows {partition.max_nodes}",
                           file=file, field="resources.nodes")
@@ -222,3 +224,34 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
         ep=tr.ep, rollout_first=rollout_first, rollout_ranks=rollout_ranks, engines=ro.engines,
         gpus_per_engine=ro.gpus_per_engine, gpu_binding=partition.launcher.gpu_binding,
     )
+
+
+def check_shape(job: JobSpec, shape: ModelShape, *, file: str | None = None) -> None:
+    """The trainer's and the engines' splits against the model's shape: TP over the attention heads (and the KV
+    heads: split, or replicated when TP is a multiple of them), PP over the layers, EP over the experts, each engine's
+    TP likewise, and top-k within the experts. Messages name where the shape came from (config.json or [model])."""
+    tr, ro, src = job.trainer, job.rollout, shape.source
+    heads, kv = shape.num_heads, shape.num_kv_heads
+    splits = [("trainer.tp", tr.tp)]
+    if ro.engine == "sglang":  # an SGLang engine of N ranks runs TP = N (the reference engine keeps a whole copy)
+        splits.append(("rollout.gpus_per_engine", ro.gpus_per_engine))
+    for field, tp in splits:
+        if heads % tp:
+            raise ConfigError(f"expected {field} to divide the model's {heads} attention heads ({src}), got {tp}",
+                              file=file, field=field)
+        if kv % tp and tp % kv:
+            raise ConfigError(f"expected {field} to divide the model's {kv} KV heads ({src}), or be a multiple of them "
+                              f"(each rank then keeps a copy), got {tp}", file=file, field=field)
+    if shape.num_layers % tr.pp:
+        raise ConfigError(f"expected trainer.pp to divide the model's {shape.num_layers} layers ({src}), got {tr.pp}",
+                          file=file, field="trainer.pp")
+    experts = shape.num_experts
+    if tr.ep > 1 and not experts:
+        raise ConfigError(f"expected trainer.ep = 1 for a dense model ({src} has no experts), got {tr.ep}",
+                          file=file, field="trainer.ep")
+    if experts and tr.ep > experts:  # divisibility: milehpc.config.rules.megatron_ep_divides_the_experts
+        raise ConfigError(f"expected trainer.ep <= the model's {experts} experts ({src}), got {tr.ep}",
+                          file=file, field="trainer.ep")
+    if experts and shape.moe_top_k > experts:
+        raise ConfigError(f"expected at most the model's {experts} experts per token ({src}), got {shape.moe_top_k}",
+                          file=file, field="model.moe_top_k")

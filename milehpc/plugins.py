@@ -12,7 +12,7 @@ from typing import Any
 import pluggy
 
 from milehpc import hookspecs
-from milehpc.errors import PluginError, missing_dependency
+from milehpc.errors import PluginError, did_you_mean, missing_dependency
 from milehpc.plugin_types import KINDS, Registered
 
 ENTRY_POINT_GROUP = "milehpc"
@@ -99,7 +99,8 @@ def lookup(kind: str, name: str, *, file: str | None = None, field: str | None =
     entries = _registry(kind)
     if name not in entries:
         known = ", ".join(sorted(entries)) or "none installed"
-        raise PluginError(f"unknown {kind} '{name}' (expected one of: {known})", file=file, field=field)
+        raise PluginError(f"unknown {kind} '{name}' (expected one of: {known}){did_you_mean(name, entries)}",
+                          file=file, field=field)
     return entries[name].spec
 
 

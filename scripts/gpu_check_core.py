@@ -206,16 +206,21 @@ def check_megatron(args: argparse.Namespace, device: Any, out: dict[str, Any]) -
                       response_ids=torch.randint(3, vocab, (int(torch.randint(16, 128, (1,), generator=g)),),
                                                  generator=g).tolist(),
                       reward=float(k % 2), group=k // 4, index=k) for k in range(32)]
-    times, losses = [], []
+    times, losses, step_peaks = [], [], []
     for i in range(args.steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         m = tr.train_step(samples, i)
         if device.type == "cuda":
             torch.cuda.synchronize()
+            step_peaks.append(torch.cuda.max_memory_allocated() - base)
         times.append(time.perf_counter() - t0)
         losses.append(m.get("train/loss", 0.0))
+    recompute = _recompute_step(args, device, vocab, samples)
+    recompute["plain_step_peak_bytes"] = step_peaks[0] if step_peaks else 0
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     padded = tr.compute_logprobs(samples)
     tr.packed, tr.thd = True, False  # packed rows, block-diagonal mask (the local spec reads masks)
@@ -226,9 +231,37 @@ def check_megatron(args: argparse.Namespace, device: Any, out: dict[str, Any]) -
     out["checks"]["megatron_on_device"] = next(tr.module.parameters()).device.type == device.type
     out["checks"]["megatron_packed_matches_padded"] = diff < 5e-2  # bf16 rounding differs by layout
     out["checks"]["megatron_steps_finite"] = all(abs(x) < 1e6 for x in losses)
+    # Issue 33: full recomputation (Megatron's CheckpointFunction with the CUDA RNG tracker) gives the first step's
+    # loss of the plain trainer (the same forward) and, on a GPU, a first step whose memory above what was allocated
+    # before it (activations, gradients, Adam's new state) is lower than the plain trainer's first step's.
+    out["checks"]["megatron_recompute_same_loss"] = abs(recompute["loss"] - losses[0]) <= 1e-6 * (1 + abs(losses[0]))
+    if device.type == "cuda":
+        out["checks"]["megatron_recompute_lowers_peak"] = (recompute["step_peak_bytes"]
+                                                           < recompute["plain_step_peak_bytes"])
     warm = times[1:] or times  # the first step compiles and allocates; with one step it is all there is
     return {"step_s": times, "tokens_per_s": tokens / (sum(warm) / len(warm)),
-            "packed_vs_padded_logprob_diff": diff, "params": sum(p.numel() for p in tr.module.parameters())}
+            "packed_vs_padded_logprob_diff": diff, "params": sum(p.numel() for p in tr.module.parameters()),
+            "recompute": recompute}
+
+
+def _recompute_step(args: argparse.Namespace, device: Any, vocab: int, samples: list[Any]) -> dict[str, Any]:
+    """The first step of a fresh trainer with ``trainer.recompute = "full"``: its loss and (CUDA) its peak memory
+    above what was allocated before it."""
+    import torch
+
+    from milehpc.train.megatron.trainer import MegatronTrainer
+
+    cuda = device.type == "cuda"
+    job = job_spec(args, "megatron", precision="bf16", recompute="full", options={"transformer_engine": False})
+    rc = MegatronTrainer(job, pad_id=0, vocab_size=vocab)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    loss = rc.train_step(samples, 0).get("train/loss", 0.0)
+    peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+    del rc
+    return {"loss": loss, "step_peak_bytes": peak}
 
 
 def main() -> int:

@@ -10,18 +10,26 @@
 #      take bf16/fp16 only and no weight updates; milehpc asks for it through MILEHPC_SGLANG_CPU_NO_AMX).
 # Where the vendored source is absent or the CPU cannot run the kernel, it says so and exits 0: the tests that need
 # the real engine then skip saying why (or fail under MILEHPC_REQUIRE_ALL=1, as in CI).
+#
+#   --build-only   only step 2's build into the cache (nothing installed into the venv but the build tools, and those
+#                  only when missing): scripts/setup-tests.sh runs it in the background while its downloads run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 VENDOR="${MILEHPC_SGL_KERNEL_SRC:-../shared/vendor/sglang-kernel-cpu}"
 CACHE="${MILEHPC_CACHE:-$HOME/.cache/milehpc}/sgl-kernel"
+build_only=0
+[ "${1:-}" = "--build-only" ] && build_only=1
 
-"$PY" -m pip install -q --no-deps -r scripts/sglang-cpu-requirements.txt
-SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-cp scripts/sglang_cpu_hook.py "$SITE/_milehpc_sglang_cpu_hook.py"
-echo "import _milehpc_sglang_cpu_hook" > "$SITE/_milehpc_sglang_cpu_hook.pth"
+install_engine() {  # step 1 and 3
+    "$PY" -m pip install -q --no-deps -r scripts/sglang-cpu-requirements.txt
+    SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    cp scripts/sglang_cpu_hook.py "$SITE/_milehpc_sglang_cpu_hook.py"
+    echo "import _milehpc_sglang_cpu_hook" > "$SITE/_milehpc_sglang_cpu_hook.pth"
+}
 
 if [ ! -f "$VENDOR/pyproject.toml" ]; then
+    [ "$build_only" -eq 1 ] || install_engine
     echo "setup-sglang-cpu: no kernel source at $VENDOR; the real-engine tests will skip (saying why)" >&2
     exit 0
 fi
@@ -34,6 +42,7 @@ elif [[ " $flags " == *" avx2 "* ]]; then
     variant="avx2-$(sha256sum scripts/sglang_kernel_portable.py | cut -c1-8)"  # rebuilt when the stubs change
 else
     echo "setup-sglang-cpu: this CPU has neither AVX-512 nor AVX2; the real-engine tests will skip" >&2
+    [ "$build_only" -eq 1 ] || install_engine
     exit 0
 fi
 key="$( (cd "$VENDOR" && find . -type f ! -path './build/*' -print0 | sort -z | xargs -0 sha256sum) \
@@ -42,7 +51,9 @@ key="$key-$variant-$("$PY" -c 'import sys, torch; print(f"torch{torch.__version_
 wheel_dir="$CACHE/$key"
 if ! ls "$wheel_dir"/sglang_kernel_cpu-*.whl >/dev/null 2>&1; then
     echo "setup-sglang-cpu: building the CPU kernel ($key; a few minutes, once per machine)"
-    "$PY" -m pip install -q --no-deps "scikit-build-core==1.1.2" "pathspec==1.1.1"
+    if ! "$PY" -c "import scikit_build_core, pathspec" 2>/dev/null; then
+        "$PY" -m pip install -q --no-deps "scikit-build-core==1.1.2" "pathspec==1.1.1"
+    fi
     work="$(mktemp -d)"
     trap 'rm -rf "$work"' EXIT
     cp -r "$VENDOR" "$work/src" && chmod -R u+w "$work/src"
@@ -54,6 +65,8 @@ if ! ls "$wheel_dir"/sglang_kernel_cpu-*.whl >/dev/null 2>&1; then
     mkdir -p "$wheel_dir.tmp" && cp "$work"/dist/sglang_kernel_cpu-*.whl "$wheel_dir.tmp/"
     rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"  # atomic: a half-built cache entry is never used
 fi
+[ "$build_only" -eq 1 ] && exit 0
+install_engine
 "$PY" -m pip install -q --no-deps --force-reinstall "$wheel_dir"/sglang_kernel_cpu-*.whl
 echo "$variant" > "$SITE/_milehpc_sgl_kernel_variant.txt"
 echo "setup-sglang-cpu: sglang $("$PY" -c 'import importlib.metadata as m; print(m.version("sglang"))'), kernel $key"

@@ -12,6 +12,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || { echo "setup-tests: no .venv here: run bash scripts/setup.sh first" >&2; exit 2; }
 
+VENDOR="${MILEHPC_SGL_KERNEL_SRC:-../shared/vendor/sglang-kernel-cpu}"
+stamp=.venv/.milehpc-test-setup
+key="$( { cat pyproject.toml plugins/*/pyproject.toml scripts/setup-tests.sh scripts/setup-sglang-cpu.sh \
+              scripts/sglang-cpu-requirements.txt scripts/sglang_cpu_hook.py scripts/sglang_kernel_portable.py
+          if [ -d "$VENDOR" ]; then find "$VENDOR" -type f ! -path '*/build/*' -printf '%P %s %T@\n' | sort; fi; } \
+        | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" = "$key" ]; then
+    exit 0
+fi
+rm -f "$stamp"
+# The kernel build (minutes of CPU, when not cached) runs beside the downloads below, which mostly wait on the
+# network: its build tools go in first so that only one pip at a time writes to the venv.
+.venv/bin/python -c "import scikit_build_core, pathspec" 2>/dev/null \
+    || .venv/bin/python -m pip install -q --no-deps "scikit-build-core==1.1.2" "pathspec==1.1.1"
+build_log=.venv/.milehpc-kernel-build.log
+bash scripts/setup-sglang-cpu.sh --build-only > "$build_log" 2>&1 &
+build=$!
+
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
     need=()
     for pkg in slurm-wlm slurmctld slurmd slurm-client munge libpmix-dev openmpi-bin libopenmpi-dev bubblewrap; do
@@ -23,17 +41,6 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
         DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}" >/dev/null
     fi
 fi
-
-VENDOR="${MILEHPC_SGL_KERNEL_SRC:-../shared/vendor/sglang-kernel-cpu}"
-stamp=.venv/.milehpc-test-setup
-key="$( { cat pyproject.toml plugins/*/pyproject.toml scripts/setup-tests.sh scripts/setup-sglang-cpu.sh \
-              scripts/sglang-cpu-requirements.txt scripts/sglang_cpu_hook.py scripts/sglang_kernel_portable.py
-          if [ -d "$VENDOR" ]; then find "$VENDOR" -type f ! -path '*/build/*' -printf '%P %s %T@\n' | sort; fi; } \
-        | sha256sum | cut -c1-16)"
-if [ "$(cat "$stamp" 2>/dev/null)" = "$key" ]; then
-    exit 0
-fi
-rm -f "$stamp"
 # The dev extra's requirements straight from pyproject.toml: `pip install -e .[dev]` would rebuild milehpc's editable
 # wheel for nothing.
 .venv/bin/python - > .venv/.milehpc-dev-requirements.txt <<'PYEOF'
@@ -44,6 +51,12 @@ PYEOF
 for plugin in plugins/*/; do
     .venv/bin/python -m pip install -q -e "$plugin"
 done
+if ! wait "$build"; then
+    cat "$build_log" >&2
+    echo "setup-tests: the SGLang CPU kernel build failed (log above)" >&2
+    exit 1
+fi
+grep -v '^$' "$build_log" || true
 bash scripts/setup-sglang-cpu.sh
 echo "$key" > "$stamp"
 echo "setup-tests: done"

@@ -21,6 +21,9 @@ others, each of which re-carves Megatron's parallel state out of the same 2-rank
 * ``devices`` — the device check (``MILEHPC_DEVICE_CHECK=nccl``, set by the test for the whole launch: every
   group above ran under it): it is on, it catches a CPU tensor on an NCCL-standing group, and the trainers'
   float reductions (Megatron ``_dp_sum``, torch ``_all_reduce``) pass it (issue 12, fault 8).
+* ``batching`` — issue 33: mini-batches (TP=2) against the torch trainer's and one mini-batch against the plain step;
+  token-budget micro-batches (PP=2); full and selective recomputation and sequence parallelism (TP=2) against plain
+  TP=2 (:func:`check_batching`).
 * ``parity``  — the same batch through the torch trainer and the Megatron trainer (TP=1 x DP=2, TP=2, PP=2) with a
   KL reference (in the loss, in the reward), a critic (GAE) and a teacher (distillation): loss, KL, value loss,
   policy and critic gradients; the reference and teacher offloaded when colocated, the reference rebuilt on resume,
@@ -625,7 +628,27 @@ def check_parity_tp2pp2(comm: Any, work: str) -> dict[str, Any]:
     tr, out["family"] = _parity_layout(comm, "kl_loss", want, samples, teacher, tp=2, pp=2, colocate=False,
                                        model_path=family)
     out["family"].update(_scales(want), model_type=tr.arch.model_type, qk_norm=tr.config.qk_layernorm,
-                         rope_llama3=tr.arch.rope_llama3 is not None)
+                         rope_llama3=tr.arch.rope_llama3 is not None, sync_cost=_sync_cost_vs_export(comm, tr))
+    return out
+
+
+def _sync_cost_vs_export(comm: Any, tr: Any) -> dict[str, Any]:
+    """Issue 33 item 4: each PP stage leader's real export (TP-gathered, HF names) against the tensors that
+    milehpc.weights.cost describes for its stage: the same names, shapes, dtypes and bytes (Megatron's order within
+    a layer differs from HF's, so they are compared sorted)."""
+    from milehpc.weights import cost
+
+    mine = sorted((n, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
+                  for n, t in tr.export_weights())
+    paper = cost.job_tensors(tr.job)
+    layers = tr.job.trainer.pp * len(tr.module.decoder.layers)
+    out: dict[str, Any] = {"stages": 0, "equal": True, "stage_bytes": []}
+    for stage, got in sorted((st, got) for st, got in comm.allgather((tr.pp_rank, mine)) if got):
+        want = sorted((t.name, t.shape, t.dtype, t.nbytes) for t in cost.stage_tensors(paper, layers, tr.pp, stage))
+        out["stages"] += 1
+        out["equal"] = out["equal"] and got == want
+        out["stage_bytes"].append(sum(g[3] for g in got))
+    out["paper_bytes"] = sum(t.nbytes for t in paper)
     return out
 
 
@@ -720,6 +743,168 @@ def _reshard_critic(comm: Any, tr: Any, work: str) -> dict[str, Any]:
             "critic_reshard_steps": [tr.steps, _CRITIC_CKPT["steps"]]}
 
 
+# ---- issue 33: batching like the large stacks, Megatron's memory features --------------------------------------
+
+def _batching_job(*, tp: int = 1, pp: int = 1, layers: int = 2, **trainer: Any) -> Any:
+    """The parity model (no clipping, Adam's eps above the fp32 noise: see :func:`_parity_job`), GRPO, a rollout
+    batch of the 6 parity samples (2 prompts x 3)."""
+    from milehpc.config.load import job_from_dict
+
+    model = {"hidden_size": 64, "num_layers": layers, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 48}
+    return job_from_dict({"name": "batching", "model": model,
+                          "rollout": {"temperature": 0.8, "prompts_per_step": 2, "n_samples": 3},
+                          "trainer": {"backend": trainer.pop("backend", "megatron"), "tp": tp, "pp": pp,
+                                      "micro_batch_size": 2, "lr": 1e-2, "clip_grad": 0.0, "adam_eps": 1e-4,
+                                      **trainer}})
+
+
+def _megatron_step(comm: Any, job: Any, samples: list[Any], *, watch: Any = None) -> dict[str, Any]:
+    """One train step of a fresh Megatron trainer: its metrics, the last optimizer step's gradients and the weights
+    after (every stage's, merged, on every rank); ``watch(trainer)`` runs before the step (hooks)."""
+    from milehpc.train.megatron.trainer import MegatronTrainer
+
+    tr = MegatronTrainer(job, pad_id=0, vocab_size=V)
+    seen = watch(tr) if watch is not None else None
+    metrics = tr.train_step(samples, 0)
+    return {"metrics": metrics, "grads": _stage_exports(comm, lambda: tr.export_weights(grads=True)),
+            "weights": _stage_exports(comm, tr.export_weights), "seen": seen, "trainer": tr}
+
+
+def _count_calls(tr: Any) -> dict[str, Any]:
+    """Forward calls of the first layer and of its core attention, each layer input's shape [s, b, h] (what
+    recomputation repeats and sequence parallelism splits), and the bytes autograd saves in each micro-batch's forward
+    (tests/memory_measure.py; what recomputation and sequence parallelism cut)."""
+    from memory_measure import SavedTensors
+
+    layer = tr.module.decoder.layers[0]
+    seen: dict[str, Any] = {"layer": 0, "core_attention": 0, "shapes": [], "saved": []}
+    real = tr.module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with SavedTensors(tr.module.parameters()) as saved:
+            out = real(*args, **kwargs)
+        seen["saved"].append(saved.bytes)
+        return out
+
+    tr.module.forward = forward
+
+    def on_layer(module: Any, args: Any, kwargs: Any) -> None:
+        seen["layer"] += 1
+        seen["shapes"].append(list((args[0] if args else kwargs["hidden_states"]).shape))
+
+    def on_attention(*_: Any) -> None:
+        seen["core_attention"] += 1
+
+    layer.register_forward_pre_hook(on_layer, with_kwargs=True)
+    layer.self_attention.core_attention.register_forward_pre_hook(on_attention)
+    return seen
+
+
+def _against(want: dict[str, Any], got: dict[str, Any], tol: float) -> dict[str, Any]:
+    """Loss, gradients (every parameter) and the gradients' scale of two steps of the same batch."""
+    return {"loss_diff": abs(got["metrics"]["train/loss"] - want["metrics"]["train/loss"]),
+            "grads_maxdiff": _maxdiff(got["grads"], want["grads"]),
+            "grads_bound": tol * max(float(g.abs().max()) for g in want["grads"].values())}
+
+
+def check_batching(comm: Any, work: str) -> dict[str, Any]:
+    """Issue 33 items 2 and 3 on the 2-rank pair. Mini-batches (trainer.mini_batch_size = 3 of 6: two optimizer
+    steps) at TP=2 against the torch trainer's (one rank): the second step's gradients and the reported loss; one
+    mini-batch (mini_batch_size = 6) against the plain step, bit for bit. Token-budget micro-batches (packed up to 16
+    tokens) at PP=2 against PP=2's plain micro-batches. Full and selective recomputation and sequence parallelism at
+    TP=2 against plain TP=2: loss and gradients, and the forward calls (a recomputed layer / core attention runs
+    twice) and the layer input's sequence length (split over TP) that show each is on."""
+    import types
+    from unittest import mock
+
+    from milehpc.samples.batch import to_batch
+    from milehpc.train import torch_trainer
+    from milehpc.train.megatron import packing
+
+    start = time.perf_counter()
+    samples = _parity_samples()
+    tol = grads_tolerance(samples)
+    out: dict[str, Any] = {"grads_tol": tol}
+    def torch_step(batch: list[Any], mini_batch_size: int) -> dict[str, Any]:
+        """The torch trainer's step on one rank (computed on rank 0, broadcast): metrics, last step's gradients."""
+        if comm.Get_rank() != 0:
+            return comm.bcast(None, root=0)
+        with mock.patch.object(torch_trainer, "_dist", return_value=(0, 1)):
+            tt = torch_trainer.TorchTrainer(_batching_job(backend="torch", mini_batch_size=mini_batch_size),
+                                            types.SimpleNamespace(pad_id=0, eos_id=2, vocab_size=V))
+            seen: dict[str, Any] = {}
+            tt.optimizer.register_step_pre_hook(lambda *_: seen.update(
+                {n: p.grad.detach().clone() for n, p in tt.module.named_parameters()}))
+            metrics = tt.train_step(batch, 0)
+        return comm.bcast({"metrics": metrics, "grads": seen}, root=0)
+
+    # Mini-batches against the torch trainer (the same 2 mini-batches of 3).
+    ref = torch_step(samples, 3)
+    mini = _megatron_step(comm, _batching_job(tp=2, mini_batch_size=3), samples)
+    out["mini_vs_torch"] = _against(ref, mini, tol)
+    # At DP=2 each rank holds one group and cuts it in 3 (mini_batch_size = 2 of 6): global mini-batch k = row k of
+    # each group, normalised by its tokens on both ranks; on one rank the same mini-batches are the rows in that order.
+    mine = [s for s in samples if s.group == comm.Get_rank()]
+    dp2 = _megatron_step(comm, _batching_job(dp=2, mini_batch_size=2), mine)
+    out["mini_dp2_vs_torch"] = _against(torch_step([samples[i] for i in (0, 3, 1, 4, 2, 5)], 2), dp2, tol)
+    out["mini_ratio_max"] = mini["metrics"]["train/actor/ratio_max"]  # the second step's ratio is off 1
+    out["torch_ratio_max"] = ref["metrics"]["train/actor/ratio_max"]
+    plain = _megatron_step(comm, _batching_job(tp=2), samples, watch=_count_calls)
+    one = _megatron_step(comm, _batching_job(tp=2, mini_batch_size=6), samples)
+    out["one_mini_vs_plain_weights"] = _maxdiff(plain["weights"], one["weights"])
+    out["one_mini_vs_plain_loss"] = abs(plain["metrics"]["train/loss"] - one["metrics"]["train/loss"])
+    out["mini_vs_plain_weights"] = _maxdiff(plain["weights"], mini["weights"])  # two steps move them elsewhere
+    out["plain_calls"] = {k: plain["seen"][k] for k in ("layer", "core_attention")}
+    out["plain_seq"] = plain["seen"]["shapes"][0][0]
+    out["plain_saved"] = max(plain["seen"]["saved"])
+    for name, trainer in (("full", {"recompute": "full"}), ("selective", {"recompute": "selective"}),
+                          ("sp", {"sequence_parallel": True})):
+        got = _megatron_step(comm, _batching_job(tp=2, **trainer), samples, watch=_count_calls)
+        out[name] = {**_against(plain, got, tol), "calls": {k: got["seen"][k] for k in ("layer", "core_attention")},
+                     "seq": got["seen"]["shapes"][0][0], "packed": got["trainer"].packed,
+                     "saved": max(got["seen"]["saved"]),
+                     "config": [got["trainer"].config.recompute_granularity, got["trainer"].config.sequence_parallel]}
+        if name == "sp":  # the packed length the schedule ran (the layer input holds 1/TP of it)
+            batch = to_batch(samples, 0)
+            out[name]["packed_length"] = max(packing.packed_length(mb.attention_mask) for mb in batch.split(2))
+    # PP=2 on 4 layers: the plain layout of both the token budget and the virtual stages.
+    pp_plain = _megatron_step(comm, _batching_job(pp=2, layers=4), samples)
+    budget = _megatron_step(comm, _batching_job(pp=2, layers=4, max_tokens_per_micro_batch=16), samples)
+    out["budget"] = _against(pp_plain, budget, tol)
+    tr = budget["trainer"]
+    pairs = tr._micro_pairs(tr._batch(samples))
+    out["budget"].update(micro_batches=len(pairs), plain_micro_batches=len(pp_plain["trainer"]._micro_batches(
+        tr._batch(samples))), bin_tokens=[int(mb.attention_mask.sum()) for _, mb in pairs],
+        logprobs_diff=max(abs(a - b) for x, y in zip(pp_plain["trainer"].compute_logprobs(samples),
+                                                      tr.compute_logprobs(samples), strict=True)
+                          for a, b in zip(x, y, strict=True)))
+    out["vpp"] = _virtual_stages(comm, samples, tol, work, pp_plain)
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def _virtual_stages(comm: Any, samples: list[Any], tol: float, work: str, plain: dict[str, Any]) -> dict[str, Any]:
+    """Virtual pipeline stages: a 4-layer model at PP=2 x VPP=2 (each rank two chunks of one layer, interleaved 1F1B;
+    3 micro-batches padded to 4) against plain PP=2 (two layers per rank): the step's loss and gradients; the layers
+    each chunk holds; its dist checkpoint loads into the plain PP=2 trainer (the sharded keys are global)."""
+    from milehpc.train.megatron import checkpoint
+    from milehpc.train.megatron.trainer import MegatronTrainer
+
+    vpp = _megatron_step(comm, _batching_job(pp=2, layers=4, vpp=2), samples)
+    tr = vpp["trainer"]
+    out = _against(plain, vpp, tol)
+    out["chunk_layers"] = comm.allgather([[int(layer.layer_number) for layer in chunk.decoder.layers]
+                                         for chunk in tr.module.parts])
+    out["micro_batches"] = len(tr._micro_batches(tr._batch(samples)))
+    path = f"{work}/dist-ckpt-vpp"
+    checkpoint.save(tr, path)
+    again = MegatronTrainer(_batching_job(pp=2, layers=4), pad_id=0, vocab_size=V)
+    checkpoint.load(again, path)
+    out["reload_plain_vs_saved"] = _maxdiff(vpp["weights"], _stage_exports(comm, again.export_weights))
+    out["reload_steps"] = again.steps
+    return out
+
+
 def _free_port() -> int:
     import socket
 
@@ -753,8 +938,8 @@ def main() -> None:
     cpu_adapt.apply()  # turns the device check on (MILEHPC_DEVICE_CHECK) before any group is used
     wide = {"parity4": check_parity_tp2pp2, "colocated": check_colocated_loop}
     groups = {"logits": check_logits, "path": check_from_path, "ckpt": check_ckpt, "replay": check_replay,
-              "devices": check_devices, "parity": check_parity}
-    needs_work = {"parity4", "colocated", "path", "ckpt", "parity"}
+              "devices": check_devices, "parity": check_parity, "batching": check_batching}
+    needs_work = {"parity4", "colocated", "path", "ckpt", "parity", "batching"}
 
     def run(name: str, fn: Any, on: Any) -> None:
         results[name] = fn(on, work) if name in needs_work else fn(on)

@@ -4,18 +4,22 @@
 
 For each layout (fp32 and bf16 parameters; with and without the distributed optimizer) rank 0 writes the measured
 bytes of this rank's parameters, gradient buffers, optimizer state (Adam moments, step counters, fp32 master copies
-that are not views of the parameters) and the estimate's items; tests/test_memory.py compares them."""
+that are not views of the parameters) and the estimate's items; tests/test_memory.py compares them. Then each rank
+measures the peak resident memory of a CPU trainer rank and a reference-engine rank at one of
+memory_measure.PEAK_SIZES (rank r: size r, side by side), which the test compares with the estimate's totals."""
 
 from __future__ import annotations
 
 import json
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from megatron_checks import V, _free_port, _job, _samples
-from memory_measure import optimizer_bytes, tensor_bytes
+from memory_measure import PEAK_SIZES, WARM_UP, measure_peaks, optimizer_bytes, tensor_bytes
 
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "cpu-demo.toml"
 LAYOUTS = {
     "tp2_fp32": {"tp": 2},
     "tp2_bf16_distopt": {"tp": 2, "precision": "bf16", "distributed_optimizer": True},
@@ -67,11 +71,16 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
                             world_size=comm.Get_size())
     results = {name: measure(layout) for name, layout in LAYOUTS.items()}
+    dist.destroy_process_group()  # the peaks are of one rank alone (a torch trainer wraps itself in DDP otherwise)
+    from milehpc.config.load import load_job
+
+    measure_peaks(load_job(DEMO, WARM_UP))
+    sets = PEAK_SIZES[comm.Get_rank() % len(PEAK_SIZES)]
+    results["peaks"] = {"sets": list(sets), "measured": measure_peaks(load_job(DEMO, sets))}
     every = comm.gather(results, root=0)
     if comm.Get_rank() == 0:
         with open(sys.argv[1], "w", encoding="utf-8") as f:
             json.dump({"ranks": every}, f, indent=1)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

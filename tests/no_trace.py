@@ -46,6 +46,9 @@ def isolate() -> None:
     os.environ["MILEHPC_STATE_DIR"] = str(TEMP / "state")
     os.environ["XDG_STATE_HOME"] = str(TEMP / "xdg-state")
     os.environ["XDG_CACHE_HOME"] = str(TEMP / "cache")
+    # The user's own site files (milehpc.builtin.sites' search path) must not replace the shipped sites in tests.
+    os.environ["XDG_CONFIG_HOME"] = str(TEMP / "config")
+    os.environ.pop("MILEHPC_SITE_PATH", None)
 
 
 def changed(what: tuple[str, ...] = tuple(USER)) -> list[str]:

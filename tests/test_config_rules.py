@@ -84,6 +84,12 @@ CASES: dict[str, tuple[dict, dict, str]] = {
     "megatron_ep_divides_the_experts": (
         {"trainer": {"backend": "megatron", "dp": 2, "ep": 2}, "model": {"num_experts": 3}},
         {"trainer": {"backend": "megatron", "dp": 2, "ep": 2}, "model": {"num_experts": 4}}, "trainer.ep"),
+    "mini_batches_divide_the_batch": (
+        {"trainer": {"mini_batch_size": 48}}, {"trainer": {"mini_batch_size": 32}}, "trainer.mini_batch_size"),
+    "megatron_features_fit_the_layout": (
+        {"trainer": {"backend": "megatron", "sequence_parallel": True}},
+        {"trainer": {"backend": "megatron", "tp": 2, "sequence_parallel": True, "recompute": "selective"}},
+        "trainer.tp"),
     "fsdp_trains_the_policy_alone": (
         {"trainer": {"dp": 2, "options": {"fsdp": True}}, "algorithm": {"kl_coef": 0.1}},
         {"trainer": {"dp": 1, "options": {"fsdp": True}}, "algorithm": {"kl_coef": 0.1}}, "trainer.options.fsdp"),

@@ -19,6 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = """
 import importlib, json, sys
+# As a rank that loads a tokenizer folder before its model: transformers' and torch's probes have already found the
+# packages installed (issue 32: the model's import then took the branch into a hidden package and failed).
+import transformers.utils.import_utils as probes
+assert probes.is_scipy_available() and probes.is_torchvision_available()
 from milehpc.config.load import load_job
 from milehpc.models import LEAN_HIDDEN, build_model, save_model
 

@@ -183,6 +183,14 @@ def test_megatron_matches_the_torch_trainer_at_tp2_pp2(checks: dict) -> None:
     assert (family["model_type"], family["qk_norm"], family["rope_llama3"]) == ("qwen3", True, True)
 
 
+def test_the_sync_cost_model_describes_megatrons_stage_exports(checks: dict) -> None:
+    """Issue 33 item 4: at TP=2 x PP=2 each stage leader's real export has the names, shapes, dtypes and bytes that
+    milehpc.weights.cost describes for its stage (the model behind `milehpc plan`'s sync estimate)."""
+    got = checks["parity4"]["family"]["sync_cost"]
+    assert got["stages"] == 2 and got["equal"], got
+    assert sum(got["stage_bytes"]) == got["paper_bytes"] and min(got["stage_bytes"]) > 0, got
+
+
 def test_the_parity_covers_every_estimator_loss_and_aggregation_mode() -> None:
     """Issue 17 item 1: every registered advantage estimator and policy loss, every aggregation mode, clip-higher,
     TIS and MIS and the entropy bonus are in some parity configuration (tests/megatron_checks.py)."""
@@ -254,6 +262,76 @@ def test_megatron_kl_reference_is_rebuilt_on_resume(checks: dict) -> None:
     got = checks["parity"]["kl_loss"]
     assert got["resume_kl"] > 0.05
     assert got["resume_loss_diff"] == got["resume_kl_diff"] == got["resume_weights_maxdiff"] == 0.0
+
+
+def _same_step(got: dict, tol_loss: float = 1e-6) -> None:
+    """Loss and every parameter's gradient within the fp32 reordering bound (megatron_checks.grads_tolerance)."""
+    assert got["loss_diff"] < tol_loss, got
+    assert got["grads_maxdiff"] < got["grads_bound"], got
+
+
+def test_megatron_mini_batches_follow_the_torch_trainers_and_one_is_todays_step(checks: dict) -> None:
+    """Issue 33 item 2: trainer.mini_batch_size = 3 of the 6 samples, Megatron at TP=2 (and 2 of 6 at DP=2, a group per
+    rank): several optimizer steps, the last one's gradients (its importance ratio off 1: against the policy before
+    the first step) and the reported loss equal the torch trainer's (tests/test_batching.py checks that one against
+    verl's update written out). One mini-batch of 6 is today's step: the same weights, bit for bit."""
+    got = checks["batching"]
+    _same_step(got["mini_vs_torch"])
+    _same_step(got["mini_dp2_vs_torch"])  # TP=1 x DP=2: three mini-batches, each's tokens counted over both ranks
+    assert got["mini_ratio_max"] > 1.01 and abs(got["mini_ratio_max"] - got["torch_ratio_max"]) < 1e-5, got
+    assert got["one_mini_vs_plain_weights"] == 0.0 and got["one_mini_vs_plain_loss"] == 0.0, got
+    assert got["mini_vs_plain_weights"] > 1e-3  # two steps are not one: the comparison can tell
+
+
+def test_megatron_token_budget_micro_batches_equal_the_plain_path(checks: dict) -> None:
+    """Issue 33 item 2: trainer.max_tokens_per_micro_batch = 16 at PP=2 (4 layers): the 6 sequences packed first-fit
+    into rows of at most 16 tokens (two bins hold two sequences), each bin one packed micro-batch through the
+    pipeline; loss, gradients and the logprobs equal PP=2's plain micro-batches of 2 rows within the fp32 bound."""
+    got = checks["batching"]["budget"]
+    _same_step(got)
+    assert got["micro_batches"] == 4 and got["plain_micro_batches"] == 3, got
+    assert max(got["bin_tokens"]) <= 16 and sum(got["bin_tokens"]) == 52, got
+    assert got["logprobs_diff"] < 1e-5, got
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_megatron_recomputation_equals_the_plain_layout(checks: dict, mode: str) -> None:
+    """Issue 33 item 3: trainer.recompute at TP=2: the same loss and gradients as plain TP=2 (the recomputed forward
+    is the same forward), and it is on: full recomputation runs every layer twice per micro-batch (forward, and again
+    in backward) and saves a fraction of the activations; selective recomputes the core attention alone."""
+    got, plain = checks["batching"][mode], checks["batching"]
+    _same_step(got)
+    assert got["config"] == [mode, False]
+    assert plain["plain_calls"] == {"layer": 3, "core_attention": 3}  # 3 micro-batches, once each
+    if mode == "full":
+        assert got["calls"] == {"layer": 6, "core_attention": 6}, got
+        assert got["saved"] < 0.5 * plain["plain_saved"], (got, plain["plain_saved"])
+    else:
+        assert got["calls"] == {"layer": 3, "core_attention": 6}, got
+        assert got["saved"] < plain["plain_saved"], (got, plain["plain_saved"])
+
+
+def test_megatron_sequence_parallel_equals_tp2(checks: dict) -> None:
+    """Issue 33 item 3: trainer.sequence_parallel at TP=2 on the local spec (milehpc's sequence-parallel RMSNorm, whose
+    weight gradients finalize_model_grads sums over TP): the same loss and gradients as plain TP=2, each layer's input
+    half of the packed row (the sequence split over the TP group), fewer bytes saved for backward."""
+    got, plain = checks["batching"]["sp"], checks["batching"]
+    _same_step(got)
+    assert got["config"] == [None, True] and got["packed"]
+    assert got["seq"] * 2 == got["packed_length"] and plain["plain_seq"] == 11, got
+    assert got["saved"] < plain["plain_saved"], (got, plain["plain_saved"])
+
+
+def test_megatron_virtual_pipeline_stages_equal_plain_pp2(checks: dict) -> None:
+    """Issue 33 item 3: trainer.vpp = 2 at PP=2 on a 4-layer model: each rank holds two chunks of one layer (rank 0
+    layers 1 and 3, rank 1 layers 2 and 4: interleaved 1F1B), the 3 micro-batches padded to 4 (a multiple of PP) with
+    fully masked ones; the step's loss and gradients equal plain PP=2's, and its dist checkpoint loads into the plain
+    PP=2 trainer unchanged (the sharded keys are global)."""
+    got = checks["batching"]["vpp"]
+    _same_step(got)
+    assert got["chunk_layers"] == [[[1], [3]], [[2], [4]]], got
+    assert got["micro_batches"] == 4, got
+    assert got["reload_plain_vs_saved"] == 0.0 and got["reload_steps"] == 1, got
 
 
 JOB = """

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from memory_measure import measure_torch_trainer
+from memory_measure import MALLOC_ENV, PEAK_SIZES, measure_torch_trainer
 
 from milehpc import memory
 from milehpc.cli import cli
@@ -23,12 +23,42 @@ FRONTIER = ROOT / "examples" / "frontier-grpo.toml"
 # Activations: the estimate counts the tensors autograd keeps (memory.activation_elements); within 3% of the
 # bytes measured. Parameters, gradients (torch) and optimizer state: exact.
 ACTIVATION_TOLERANCE = 0.03
+# A rank's measured peak against the estimate's total (issue 32): what the issue asks. Both sides leave things out
+# (the estimate: temporaries such as the KV cache's growth by concatenation, one layer's K or V at a time; the sum
+# counts gradients and activations as if both were whole at once, while backward frees the one as it fills the
+# other); measured 0.93-1.12 on the CPU sizes of memory_measure.PEAK_SIZES.
+PEAK_TOLERANCE = 0.20
+
+
+@pytest.fixture(scope="module")
+def frontier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/frontier-grpo.toml with its Lustre inputs (which the login-node input checks look for) replaced by a
+    prompt file here and the [model] table's shape: the layout and the sizes are the example's."""
+    folder = tmp_path_factory.mktemp("frontier")
+    data = folder / "math-train.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n')
+    # (and resources.nodes: the layouts the tests set need fewer or more nodes than the example's four)
+    lines = [ln for ln in FRONTIER.read_text().splitlines() if not ln.startswith(("path = ", "tokenizer = ", "nodes = "))]
+    job = folder / "frontier-grpo.toml"
+    job.write_text("\n".join(f'source = "{data}"' if ln.startswith("source = ") else ln for ln in lines) + "\n")
+    return job
 
 
 def test_the_toy_vocabulary_size_is_the_toy_tokenizers() -> None:
     from milehpc.data.tokenizer import build_tokenizer
 
     assert build_tokenizer("toy").vocab_size == memory.TOY_VOCAB_SIZE
+
+
+def test_the_facts_of_higher_layers_are_theirs() -> None:
+    """milehpc.memory may not import the data readers or the SGLang engine (tests/test_import_layers.py): its copies
+    of their facts are checked here."""
+    from milehpc.data.readers import PARQUET_SUFFIXES
+    from milehpc.rollout.sglang_engine import CPU_SERVER_ARGS
+
+    assert memory.PARQUET_SUFFIXES == PARQUET_SUFFIXES
+    assert CPU_SERVER_ARGS["mem_fraction_static"] == memory.SGLANG_CPU_FRACTION
+    assert CPU_SERVER_ARGS["max_total_tokens"] == memory.SGLANG_CPU_MAX_TOTAL_TOKENS
 
 
 @pytest.mark.parametrize("example", ["cpu-demo.toml", "cpu-demo-small.toml"])
@@ -43,12 +73,13 @@ def test_estimate_matches_the_torch_trainer_on_the_cpu(example: str) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_estimate_matches_megatron_at_tp2(tmp_path: Path) -> None:
+def test_estimate_matches_megatron_at_tp2_and_the_measured_peaks(tmp_path: Path) -> None:
     """Parameters and optimizer state exact per rank (fp32; bf16 with the distributed optimizer); the gradient
-    buffer within the distributed optimizer's padding."""
+    buffer within the distributed optimizer's padding. In the same launch, each rank's peak resident memory of a CPU
+    trainer rank and a reference-engine rank at one of the PEAK_SIZES is within PEAK_TOLERANCE of the estimate."""
     out = tmp_path / "out.json"
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+    env = {**os.environ, **MALLOC_ENV, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
     cmd = [str(bin_dir / "mpirun"), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
            sys.executable, str(ROOT / "tests" / "memory_mpi_checks.py"), str(out)]
@@ -56,12 +87,25 @@ def test_estimate_matches_megatron_at_tp2(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = json.loads(out.read_text())["ranks"]
     assert len(ranks) == 2
+    assert sorted(tuple(r["peaks"]["sets"]) for r in ranks) == sorted(PEAK_SIZES)
     for rank in ranks:
+        peaks = rank.pop("peaks")
+        _assert_peaks_match(tuple(peaks["sets"]), peaks["measured"])
         for layout, res in rank.items():
             got, est = res["measured"], res["estimated"]
             assert est["params"] == got["params"], (layout, est, got)
             assert est["optimizer"] == got["optimizer"], (layout, est, got)
             assert 0 <= got["grads"] - est["grads"] <= 0.01 * got["grads"], (layout, est, got)
+
+
+def _assert_peaks_match(sets: tuple[str, ...], got: dict[str, int]) -> None:
+    from milehpc.render.rundir import prepare
+
+    prep = prepare(str(ROOT / "examples" / "cpu-demo.toml"), "local", sets, run_dir="/nonexistent")
+    est = {r.role: r.total for r in memory.job_estimate(prep.job, prep.plan, prep.partition).ranks}
+    assert got["response_tokens"] == prep.job.rollout.max_new_tokens  # every sample as long as the job allows
+    for role in ("trainer", "rollout"):
+        assert abs(got[role] - est[role]) <= PEAK_TOLERANCE * got[role], (sets, role, got, est)
 
 
 # ---- plan, submit, doctor -----------------------------------------------------------------------------------------
@@ -70,38 +114,40 @@ def _run(*args: str):
     return CliRunner().invoke(cli, list(args))
 
 
-def test_plan_prints_the_memory_table_for_the_frontier_example() -> None:
-    result = _run("plan", str(FRONTIER), "--site", "frontier-like")
+def test_plan_prints_the_memory_table_for_the_frontier_example(frontier: Path) -> None:
+    result = _run("plan", str(frontier), "--site", "frontier-like")
     assert result.exit_code == 0, result.output
-    for text in ("memory per rank", "trainer parameters", "optimizer state", "KV cache", "fits"):
+    for text in ("memory per rank", "trainer parameters", "optimizer state", "KV pool", "fits"):
         assert text in result.stdout, result.stdout
-    data = json.loads(_run("plan", str(FRONTIER), "--site", "frontier-like", "--json").stdout)
+    data = json.loads(_run("plan", str(frontier), "--site", "frontier-like", "--json").stdout)
     total = next(r for r in data["memory"] if r["rank"] == "trainer" and r["item"] == "total")
     assert total["note"].startswith("fits") and "of 64.0 GiB" in total["note"]
 
 
 @pytest.mark.parametrize("command", ["plan", "submit"])
-def test_a_layout_that_cannot_fit_is_refused_with_the_change_that_fits(command: str, tmp_path: Path) -> None:
-    args = [command, str(FRONTIER), "--site", "frontier-like", "--set", "trainer.tp=1"]
+def test_a_layout_that_cannot_fit_is_refused_with_the_change_that_fits(command: str, tmp_path: Path, frontier: Path) -> None:
+    args = [command, str(frontier), "--site", "frontier-like", "--set", "trainer.tp=1"]
     if command == "submit":
         args += ["--dry-run", "--run-dir", str(tmp_path / "run")]
     result = _run(*args)
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.output, result.stderr
-    assert lines[0].startswith(f"milehpc: error: {FRONTIER} (with --set): trainer: expected a trainer rank to fit "
+    assert lines[0].startswith(f"milehpc: error: {frontier} (with --set): trainer: expected a trainer rank to fit "
                                "64.0 GiB (device), got an estimated"), lines[0]
     assert "the largest item trainer gradients" in lines[0] and "set trainer.tp = 2 (" in lines[0], lines[0]
-    forced = _run(*args, "--force")
-    assert forced.exit_code == 0, forced.output
+    # --force anywhere, also before the job file (as an optional-value option it took the file for a check name)
+    for forced in (_run(*args, "--force"), _run(command, "--force", *args[1:])):
+        assert forced.exit_code == 0, forced.output
+        assert "--force overrides the trainer-memory check: a trainer rank needs an estimated" in forced.stderr
     assert not (tmp_path / "run").exists()
 
 
-def test_the_suggestion_is_the_smallest_single_change() -> None:
+def test_the_suggestion_is_the_smallest_single_change(frontier: Path) -> None:
     from milehpc.render.rundir import prepare
 
     def line(*sets: str) -> str:
-        prep = prepare(str(FRONTIER), "frontier-like", sets, run_dir="/nonexistent")
+        prep = prepare(str(frontier), "frontier-like", sets, run_dir="/nonexistent")
         with pytest.raises(Exception) as info:
             memory.for_job(prep.job, prep.plan, prep.partition, file="f")
         return str(info.value)
@@ -109,49 +155,52 @@ def test_the_suggestion_is_the_smallest_single_change() -> None:
     assert "set trainer.distributed_optimizer = true" in line("trainer.tp=2", "trainer.distributed_optimizer=false",
                                                               "trainer.micro_batch_size=1")
     assert "set trainer.micro_batch_size = " in line("trainer.tp=4", "trainer.micro_batch_size=16")
-    kv = line("rollout.prompts_per_step=100000")
-    assert "rollout: expected a rollout rank to fit 56.3 GiB (0.88 of the device)" in kv and "KV cache" in kv
 
 
-def test_doctor_reports_the_estimate() -> None:
+def test_doctor_reports_the_estimate(frontier: Path) -> None:
     from milehpc.doctor import FAIL, OK, Doctor
 
-    found = [f for f in Doctor("frontier-like", str(FRONTIER), env={}).run() if f.check == "memory"]
+    found = [f for f in Doctor("frontier-like", str(frontier), env={}).run() if f.check == "memory"]
     assert [f.level for f in found] == [OK, OK], found
-    bad = [f for f in Doctor("local", str(ROOT / "examples" / "cpu-demo.toml"), env={}).run() if f.check == "memory"]
-    assert all(f.level == OK and "host memory is not checked" in f.message for f in bad), bad
+    cpu = [f for f in Doctor("local", str(ROOT / "examples" / "cpu-demo.toml"), env={}).run() if f.check == "memory"]
+    assert [f.level for f in cpu] == [OK, OK, OK], cpu
+    assert cpu[-1].message.startswith("node rank:") and "host memory, this machine's MemTotal" in cpu[-1].message
     assert FAIL not in [f.level for f in found]
 
 
-def test_colocated_ranks_count_the_larger_side() -> None:
+def test_colocated_ranks_count_the_larger_side(frontier: Path) -> None:
     from milehpc.render.rundir import prepare
 
     # an NVIDIA site: colocated SGLang is refused on AMD partitions (torch_memory_saver's wheel is CUDA-only)
-    prep = prepare(str(FRONTIER), "dgx-h100-like", ("resources.use=[]", "resources.colocate=true",
+    prep = prepare(str(frontier), "dgx-h100-like", ("resources.use=[]", "resources.colocate=true",
                                                     "rollout.engines=4", "rollout.gpus_per_engine=4",
                                                     "resources.nodes=2", "run.loop=sync"), run_dir="/nonexistent")
-    est = memory.for_job(prep.job, prep.plan, prep.partition, file=None, force=True)
+    est = memory.job_estimate(prep.job, prep.plan, prep.partition)
     (rank,) = est.ranks
-    assert rank.role == "trainer" and any("colocated" in n for n in est.notes)
+    # Both sides fit; the engine's is the larger: its KV pool takes all of mem_fraction_static (0.5 colocated).
+    per_token = memory.kv_bytes_per_token(prep.job, memory.model_shape(prep.job)[0])
+    assert rank.role == "rollout" and rank.fits and 0 <= int(0.5 * 79.6 * memory.GIB) - rank.total < per_token
+    assert any("colocated" in n for n in est.notes)
 
 
-def test_a_colocated_engine_that_overflows_its_fraction_is_refused_behind_a_larger_trainer() -> None:
-    """The engine's budget is mem_fraction_static (0.5 colocated) of the device: ~41.6 GiB of engine does not fit
-    39.8 GiB (an 80 GB H100) although the ~43.5 GiB trainer side is the larger one and fits the whole device."""
+def test_a_colocated_engine_that_overflows_its_fraction_is_refused_behind_a_larger_trainer(frontier: Path) -> None:
+    """The engine's budget is mem_fraction_static of the device: at 0.15, an H100's 11.9 GiB cannot hold a whole
+    7B model's 14.2 GiB of bf16 weights (one GPU per engine), although the trainer side fits the whole device."""
     from milehpc.render.rundir import prepare
 
-    prep = prepare(str(FRONTIER), "dgx-h100-like", ("resources.use=[]", "resources.colocate=true",
-                                                    "rollout.engines=4", "rollout.gpus_per_engine=4",
-                                                    "resources.nodes=2", "run.loop=sync", "trainer.micro_batch_size=8",
-                                                    "rollout.prompts_per_step=928"), run_dir="/nonexistent")
-    est = memory.for_job(prep.job, prep.plan, prep.partition, file=None, force=True)
+    prep = prepare(str(frontier), "dgx-h100-like", ("resources.use=[]", "resources.colocate=true",
+                                                    "rollout.engines=16", "rollout.gpus_per_engine=1",
+                                                    "resources.nodes=2", "run.loop=sync",
+                                                    "rollout.options.mem_fraction_static=0.15"), run_dir="/nonexistent")
+    est = memory.job_estimate(prep.job, prep.plan, prep.partition)
     (rank,) = est.ranks
     assert rank.role == "rollout" and not rank.fits, (rank.role, rank.total, rank.budget)
-    with pytest.raises(Exception, match="expected a rollout rank to fit 39.8 GiB"):
+    with pytest.raises(Exception, match="expected a rollout rank to fit 11.9 GiB .0.15 of the device., got an "
+                                        "estimated 14.3 GiB for the weights and one sequence's KV"):
         memory.for_job(prep.job, prep.plan, prep.partition, file=None)
 
 
-def test_a_colocated_engine_that_never_offloads_is_counted_beside_its_trainer() -> None:
+def test_a_colocated_engine_that_never_offloads_is_counted_beside_its_trainer(frontier: Path) -> None:
     """Issue 30: the estimate is the rank's peak. SGLang is released at start-up and while the trainer steps (each
     side alone, above); the reference engine stays resident, so a ~43 GiB trainer and a ~46 GiB engine, each of which
     fits an 80 GB H100 alone, do not fit it together."""
@@ -160,8 +209,8 @@ def test_a_colocated_engine_that_never_offloads_is_counted_beside_its_trainer() 
     overrides = ("resources.use=[]", "resources.colocate=true", "rollout.engines=4", "rollout.gpus_per_engine=4",
                  "resources.nodes=2", "run.loop=sync", "trainer.micro_batch_size=8", "rollout.prompts_per_step=1024",
                  "rollout.engine=reference")
-    prep = prepare(str(FRONTIER), "dgx-h100-like", overrides, run_dir="/nonexistent")
-    est = memory.for_job(prep.job, prep.plan, prep.partition, file=None, force=True)
+    prep = prepare(str(frontier), "dgx-h100-like", overrides, run_dir="/nonexistent")
+    est = memory.job_estimate(prep.job, prep.plan, prep.partition)
     (rank,) = est.ranks
     names = [i.name for i in rank.items]
     assert rank.role == "colocated" and "trainer parameters" in names and "KV cache" in names, names
@@ -172,8 +221,8 @@ def test_a_colocated_engine_that_never_offloads_is_counted_beside_its_trainer() 
         memory.for_job(prep.job, prep.plan, prep.partition, file=None)
 
 
-def test_a_sweep_value_that_cannot_fit_is_refused(tmp_path: Path) -> None:
-    result = _run("submit", str(FRONTIER), "--site", "frontier-like", "--dry-run", "--run-dir", str(tmp_path / "s"),
+def test_a_sweep_value_that_cannot_fit_is_refused(tmp_path: Path, frontier: Path) -> None:
+    result = _run("submit", str(frontier), "--site", "frontier-like", "--dry-run", "--run-dir", str(tmp_path / "s"),
                   "--sweep", "trainer.tp=4,1")
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
     assert "(with --sweep trainer.tp=1): trainer: expected a trainer rank to fit" in result.stderr
@@ -203,3 +252,177 @@ def test_a_lora_run_counts_gradients_and_optimizer_state_of_the_adapter_alone() 
     assert got["params"] == est["params"] + items["LoRA adapter"]  # the base, and the adapter beside it
     assert (est["grads"], est["optimizer"]) == (got["grads"], got["optimizer"])
     assert est["grads"] == items["LoRA adapter"] < est["params"] // 10
+
+
+# ---- issue 32: the engines' KV pool, --force, checked suggestions, the prompt length, CPU nodes ----------------------
+
+# A Qwen3-8B-shaped job on 80 GB H100 nodes (no folder to read: the [model] table is its shape), 16 SGLang engines of
+# one GPU each and a verl-sized step (1024 prompts x 8 samples) of 512 + 1024 tokens, trainer TP=4 x DP=4.
+BIG_JOB = """
+name = "big"
+[model]
+arch = "qwen3"
+dtype = "bfloat16"
+hidden_size = 4096
+num_layers = 36
+num_heads = 32
+num_kv_heads = 8
+intermediate_size = 12288
+vocab_size = 151936
+max_position_embeddings = 32768
+[rollout]
+engine = "sglang"
+engines = 16
+gpus_per_engine = 1
+prompts_per_step = 1024
+n_samples = 8
+max_new_tokens = 1024
+[trainer]
+backend = "megatron"
+tp = 4
+dp = 4
+micro_batch_size = 1
+precision = "bf16"
+distributed_optimizer = true
+[reward]
+name = "math_answer"
+[data]
+source = "{data}"
+[checkpoint]
+signal_lead_s = 900
+[site.access]
+account = "proj1"
+"""
+
+
+def _big_job(tmp_path: Path, name: str = "prompts.jsonl", extra: str = "") -> Path:
+    data = tmp_path / name
+    if name.endswith(".jsonl"):
+        data.write_text('{"prompt": "1+1?", "label": "2"}\n')
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"prompt": ["1+1?"], "label": ["2"]}), data)
+    job = tmp_path / "big.toml"
+    job.write_text(BIG_JOB.format(data=data) + extra)
+    return job
+
+
+def test_a_verl_sized_batch_queues_in_the_engines_fixed_kv_pool(tmp_path: Path) -> None:
+    """SGLang fixes its KV pool at start-up (mem_fraction_static of the device less the weights); a step larger than
+    the pool queues. 512 sequences per engine of 1536 tokens would need ~108 GiB of KV at once, which the old estimate
+    refused; the pool holds what fits, and the rank needs only the weights and one sequence's KV."""
+    from milehpc.render.rundir import prepare
+
+    prep = prepare(str(_big_job(tmp_path)), "dgx-h100-like", (), run_dir="/nonexistent")
+    est = memory.job_estimate(prep.job, prep.plan, prep.partition)
+    engine = next(r for r in est.ranks if r.role == "rollout")
+    weights, pool = (i.bytes for i in engine.items)
+    budget = int(0.88 * 79.6 * memory.GIB)
+    shape = memory.model_shape(prep.job)[0]
+    every_sequence = 512 * 1536 * memory.kv_bytes_per_token(prep.job, shape)
+    assert every_sequence > 100 * memory.GIB > budget  # what "every sequence resident" would have refused
+    per_token = memory.kv_bytes_per_token(prep.job, shape)
+    assert per_token == 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads of 128, bf16
+    assert engine.budget == budget and engine.fits
+    assert 0 <= budget - (weights + pool) < per_token  # the pool is whole tokens of what the weights leave
+    assert engine.required == weights + 1536 * per_token
+    note = next(i.note for i in engine.items if i.name == "KV pool")
+    assert "sequences of 1536 at once (the step's 512 per engine queue)" in note, note
+    result = _run("plan", str(tmp_path / "big.toml"), "--site", "dgx-h100-like")
+    assert result.exit_code == 0, result.output
+
+
+def test_an_engine_whose_weights_and_one_sequence_overflow_its_fraction_is_refused(tmp_path: Path) -> None:
+    """At mem_fraction_static 0.19 the 15.3 GiB of bf16 weights leave no pool on one H100: refused in one line that
+    says what must fit, with the change that does (two GPUs per engine halve the weights)."""
+    job = _big_job(tmp_path, extra="[rollout.options]\nmem_fraction_static = 0.19\n")
+    result = _run("plan", str(job), "--site", "dgx-h100-like")
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "rollout: expected a rollout rank to fit 15.1 GiB (0.19 of the device), got an estimated " in line, line
+    assert "GiB for the weights and one sequence's KV (1536 tokens), the largest item engine weights" in line, line
+    assert "set rollout.gpus_per_engine = 2 (" in line and line.endswith("--force-only rollout-memory"), line
+
+
+def test_force_names_the_check_it_overrides_and_no_other(tmp_path: Path) -> None:
+    """--force-only rollout-memory lets an engine past its check but not a trainer that does not fit; bare --force names
+    every check it overrides on stderr."""
+    job = _big_job(tmp_path, extra="[rollout.options]\nmem_fraction_static = 0.19\n")
+    both = ("--set", "trainer.tp=1", "--set", "trainer.micro_batch_size=8")
+    narrow = _run("plan", str(job), "--site", "dgx-h100-like", *both, "--force-only", "rollout-memory")
+    assert narrow.exit_code == 2, narrow.output
+    (line,) = narrow.stderr.strip().splitlines()
+    assert "trainer: expected a trainer rank to fit 79.6 GiB (device)" in line, line
+    alone = _run("plan", str(job), "--site", "dgx-h100-like", "--force-only", "rollout-memory", "--json")
+    assert alone.exit_code == 0, alone.output
+    (line,) = alone.stderr.strip().splitlines()
+    assert line.startswith("milehpc: warning: --force overrides the rollout-memory check: a rollout rank needs an "
+                           "estimated 15.5 GiB for the weights and one sequence's KV (1536 tokens), above 15.1 GiB"), line
+    wide = _run("plan", str(job), "--site", "dgx-h100-like", *both, "--force", "--json")
+    assert wide.exit_code == 0, wide.output
+    overridden = [ln for ln in wide.stderr.splitlines() if "--force overrides" in ln]
+    assert [ln.split(" check:")[0].rsplit(" ", 1)[1] for ln in overridden] == ["trainer-memory", "rollout-memory"]
+
+
+def test_a_suggestion_is_checked_before_it_is_printed(tmp_path: Path) -> None:
+    """Three full nodes (4 trainer ranks + 5 engines x 4 GPUs = 24): trainer.tp = 2 would need a fourth node, which
+    resources.nodes = 3 refuses, so it is not suggested; the smaller micro-batch, which fits, is."""
+    job = _big_job(tmp_path)
+    sets = ["trainer.tp=1", "trainer.micro_batch_size=4", "rollout.engines=5", "rollout.gpus_per_engine=4",
+            "resources.nodes=3"]
+    result = _run("plan", str(job), "--site", "dgx-h100-like", *[a for s in sets for a in ("--set", s)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "trainer: expected a trainer rank to fit" in line and "set trainer.tp" not in line, line
+    fix = line.split("; set ")[1].split(" (")[0]
+    table, rest = fix.split(".", 1)
+    again = _run("plan", str(job), "--site", "dgx-h100-like", *[a for s in sets for a in ("--set", s)],
+                 "--set", rest.replace(" = ", "=").join([f"{table}.", ""]))
+    assert again.exit_code == 0, (fix, again.output)
+
+
+def test_the_prompt_length_says_the_sources_format_and_honours_max_prompt_tokens(tmp_path: Path) -> None:
+    from milehpc.config.load import load_job as load
+
+    parquet = load(_big_job(tmp_path, "prompts.parquet"))
+    assert "(Parquet source;" in memory.prompt_tokens(parquet)[1]
+    jsonl = load(_big_job(tmp_path))
+    assert "(JSONL source;" in memory.prompt_tokens(jsonl)[1]
+    capped = load(tmp_path / "big.toml", ["data.max_prompt_tokens=100"])
+    assert memory.prompt_tokens(capped) == (100, "100 prompt tokens (data.max_prompt_tokens)")
+    acts = [memory.estimate_trainer_bytes(j)["activations"] for j in (jsonl, capped)]
+    assert acts[1] < acts[0]  # the trainer's sequences are 100 + 1024 tokens, not 512 + 1024
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+@pytest.mark.parametrize("override", ["model.hidden_size=100000000", "rollout.prompts_per_step=1000000000"])
+def test_a_cpu_node_is_checked_against_its_host_memory(command: str, override: str, tmp_path: Path) -> None:
+    """The local site's ranks against this machine's memory: refused before a run directory is written or a rank
+    starts (`milehpc run` checks as `submit` does)."""
+    args = [command, str(ROOT / "examples" / "cpu-demo.toml"), "--site", "local", "--set", override]
+    result = _run(*args, *(["--run-dir", str(tmp_path / "run")] if command == "run" else []))
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "(with --set): resources: expected the ranks of one node to fit" in line, line
+    assert "(host memory, this machine's MemTotal)" in line and "Traceback" not in result.output, line
+    assert line.endswith("or submit with --force-only node-memory") and not (tmp_path / "run").exists()
+
+
+def test_host_memory_is_the_total_not_the_free_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """local: /proc/meminfo's MemTotal (what other processes hold now is not the job's budget); a Slurm CPU
+    partition: the site's mem_per_node_gib, else unknown and unchecked."""
+    from dataclasses import replace
+
+    from milehpc.config.load import load_site
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        2097152 kB\nMemFree:          1024 kB\nMemAvailable:     2048 kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", meminfo)
+    _, local = load_site("local")
+    assert memory.host_memory(local) == (2 * memory.GIB, "host memory, this machine's MemTotal")
+    _, slurm = load_site("local-slurm")
+    assert memory.host_memory(slurm)[0] is None
+    assert memory.host_memory(replace(slurm, mem_per_node_gib=0.5)) == (memory.GIB // 2, "host memory, the site's "
+                                                                                          "mem_per_node_gib")

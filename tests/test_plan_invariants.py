@@ -153,14 +153,15 @@ def test_invariants_small_layouts(layout) -> None:
         # Only the documented impossibilities are refused.
         assert any(k in str(err) for k in ("trainer.tp", "gpus_per_engine", "resources.nodes")), str(err)
         assume(False)
-    if extra_nodes is not None:
-        # Asking for more nodes than needed is allowed; the layout is the same, spread over more nodes.
-        bigger = make_plan(job(tp, pp, dp, engines, gpe, colocate, nodes=plan.nodes + extra_nodes), part,
-                           site="test", partition_name="p")
-        assert bigger.nodes == plan.nodes + extra_nodes and bigger.world_size == plan.world_size
-        plan = bigger
-    if extra_nodes is None:
-        assert (plan.nodes - 1) * plan.ranks_per_node < plan.world_size, "no node is left empty"
+    if extra_nodes == 0:  # asking for exactly the nodes the layout needs changes nothing
+        same = make_plan(job(tp, pp, dp, engines, gpe, colocate, nodes=plan.nodes), part, site="test",
+                         partition_name="p")
+        assert same == plan
+    elif extra_nodes:  # more nodes than the layout needs would sit idle: refused (issue 31), never silently
+        with pytest.raises(ConfigError, match=rf"expected resources.nodes = {plan.nodes} .* would sit idle"):
+            make_plan(job(tp, pp, dp, engines, gpe, colocate, nodes=plan.nodes + extra_nodes), part, site="test",
+                      partition_name="p")
+    assert (plan.nodes - 1) * plan.ranks_per_node < plan.world_size, "no node is left empty"
     check_invariants(plan, gpus)
 
 

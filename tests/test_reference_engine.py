@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -25,6 +28,26 @@ def engine(seed: int = 0, model_seed: int = 0) -> ReferenceEngine:
 def prompts(n: int, min_len: int = 2, max_len: int = 6) -> list[list[int]]:
     task = sort_task(min_len=min_len, max_len=max_len)
     return [TOK.encode_prompt(task[i]["prompt"]) for i in range(n)]
+
+
+@contextmanager
+def forward_batches(eng: ReferenceEngine) -> Iterator[list[tuple[int, int]]]:
+    """(rows, tokens) of every forward call of the engine's model while inside."""
+    seen: list[tuple[int, int]] = []
+    hook = eng.model.register_forward_pre_hook(lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)),
+                                               with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
+# Two runs whose decode batches differ in size may round a logit differently (the matmuls block by rows): fp32 eps
+# x the longest reduction (intermediate_size) x a logit magnitude of a few units.
+LP_TOL = torch.finfo(torch.float32).eps * SPEC.intermediate_size * 4
+
+# Frequent digits as stop tokens: on the random models here, rows finish after 1, 2, 3... tokens.
+EARLY_STOPS = TOK.encode("0123")
 
 
 def test_n_samples_per_prompt_grouped_prompt_major() -> None:
@@ -51,7 +74,8 @@ def test_seeded_sampling_is_reproducible_and_varies() -> None:
 
 
 def test_logprobs_match_a_teacher_forced_forward_with_mixed_prompt_lengths() -> None:
-    """The engine's KV-cached, left-padded sampling and the trainer's padded full forward agree (fp32)."""
+    """The engine's KV-cached, left-padded sampling and the trainer's padded full forward agree (fp32): with a
+    prompt's samples sharing one prefill and finished rows leaving the decode batch."""
     from milehpc.train.torch_trainer import TorchTrainer
 
     job = JobSpec(name="t", model=SPEC)
@@ -59,11 +83,45 @@ def test_logprobs_match_a_teacher_forced_forward_with_mixed_prompt_lengths() -> 
     trainer = TorchTrainer(job, TOK)
     eng = engine(seed=3, model_seed=9)
     eng.update_weights(trainer.export_weights(), 1)
-    out = eng.generate(prompts(8, 1, 7), SamplingParams(n=3, max_new_tokens=7, temperature=0.7))
+    with forward_batches(eng) as batches:
+        out = eng.generate(prompts(8, 1, 7), SamplingParams(n=3, max_new_tokens=7, temperature=0.7,
+                                                            stop_token_ids=EARLY_STOPS))
     assert len({len(s.prompt_ids) for s in out}) > 2
+    assert batches[0][0] == 8 and min(rows for rows, _ in batches[1:]) < len(out)  # both paths ran
     recomputed = trainer.compute_logprobs(out)
     diff = max(abs(a - b) for s, lp in zip(out, recomputed, strict=True) for a, b in zip(s.rollout_logprobs, lp, strict=True))
     assert diff <= 1e-5
+
+
+def test_one_prefill_per_distinct_context_and_only_unfinished_rows_decode() -> None:
+    """The prefill runs each distinct context once (a prompt's n samples share it), no forward follows the last
+    token, and once a quarter of the decode batch has finished those rows leave it."""
+    p = prompts(3, 3, 3) + prompts(1, 5, 5) * 2  # 4 distinct prompts, one given twice
+    eng = engine(seed=2)
+    with forward_batches(eng) as batches:
+        full = eng.generate(p, SamplingParams(n=4, max_new_tokens=6))
+    assert batches[0] == (4, max(map(len, p)))
+    assert len(batches) == max(len(s.response_ids) for s in full)  # prefill + one per token but the last
+    with forward_batches(eng) as batches:
+        out = eng.generate(p, SamplingParams(n=4, max_new_tokens=6, stop_token_ids=EARLY_STOPS))
+    for k, (rows, tokens) in enumerate(batches[1:], 1):
+        unfinished = sum(len(s.response_ids) > k for s in out)  # the rows that need token k + 1
+        assert tokens == 1 and unfinished <= rows <= len(out)
+        assert rows == unfinished or rows * 3 // 4 < unfinished, (k, rows, unfinished)
+    assert batches[-1][0] < len(out)
+
+
+def test_a_rows_samples_do_not_depend_on_which_other_rows_finished() -> None:
+    """Rows are drawn from the same random stream however many rows have finished (and left the decode batch):
+    each row of a run with stop tokens is the same seed's free run cut at its first stop token."""
+    p = prompts(4)
+    free = engine(seed=11).generate(p, SamplingParams(n=4, max_new_tokens=8))
+    cut = engine(seed=11).generate(p, SamplingParams(n=4, max_new_tokens=8, stop_token_ids=EARLY_STOPS))
+    assert sum(s.status is Status.COMPLETED for s in cut) > sum(s.status is Status.COMPLETED for s in free)
+    for a, b in zip(free, cut, strict=True):
+        n = len(b.response_ids)
+        assert b.response_ids == a.response_ids[:n]
+        assert b.rollout_logprobs == pytest.approx(a.rollout_logprobs[:n], abs=LP_TOL)
 
 
 def test_greedy_equals_top_k_one_and_ignores_seed() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from example_inputs import frontier_sets
 
 from milehpc.cli import cli
 
@@ -18,7 +19,7 @@ FRONTIER = ROOT / "examples" / "frontier-grpo.toml"
 
 def _plan(job: Path, site: str, *sets: str) -> tuple[int, str]:
     args = ["plan", str(job), "--site", site, "--force"]
-    for s in sets:
+    for s in (*frontier_sets(), *sets):  # the example's Lustre inputs, made here
         args += ["--set", s]
     res = CliRunner().invoke(cli, args)
     return res.exit_code, res.output
@@ -28,7 +29,9 @@ def _plan(job: Path, site: str, *sets: str) -> tuple[int, str]:
     (("trainer.precision='fp8'",), "trainer.precision", "expected 'bf16' or 'fp32' on an AMD partition"),
     (("trainer.options.transformer_engine=true",), "trainer.options.transformer_engine",
      "expected false or unset on an AMD partition"),
-    (("resources.colocate=true", "run.loop='sync'"), "resources.colocate", "expected false on an AMD partition"),
+    # colocated, the example's 32 ranks share 16 GCDs: 2 nodes (4 would leave two idle, refused first)
+    (("resources.colocate=true", "run.loop='sync'", "resources.nodes=2"), "resources.colocate",
+     "expected false on an AMD partition"),
 ])
 def test_rocm_partition_refuses_what_its_container_cannot_run(sets: tuple[str, ...], field: str,
                                                               expected: str) -> None:
@@ -43,7 +46,7 @@ def test_rocm_partition_lets_the_reference_engine_colocate() -> None:
     """Only a colocated SGLang engine pauses the trainer with torch_memory_saver; the reference engine offloads
     nothing, so its colocated runs stay open on AMD."""
     code, out = _plan(FRONTIER, "frontier-like", "resources.colocate=true", "run.loop='sync'",
-                      "rollout.engine='reference'")
+                      "rollout.engine='reference'", "resources.nodes=2")
     assert code == 0, out
 
 

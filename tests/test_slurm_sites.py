@@ -62,7 +62,9 @@ def _derived_shape(site_name: str) -> dict[str, str]:
 
 
 def _slurm_sites() -> list[str]:
-    return [s for s in SITES if any(p.scheduler == "slurm" for p in load_site(s)[0].partitions.values())]
+    # local-multinode is its own 4-node cluster, not a one-node shape: tests/test_multinode_cluster.py checks it there.
+    return [s for s in SITES if s != "local-multinode"
+            and any(p.scheduler == "slurm" for p in load_site(s)[0].partitions.values())]
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +124,9 @@ def test_rendered_scripts_are_accepted_by_a_cluster_shaped_like_the_site(site, c
         if part.devices.count:
             # Control: the same job asking for more GPUs per node than the machine has must be refused.
             gpus = int((SHAPES.get(site) or _derived_shape(site))["GPUS"])
-            over = prepare(str(GOLDEN_JOB), site, (f"resources.partition={pname}", f"site.devices.count={gpus * 2}"),
-                           run_dir=str(tmp_path / f"{pname}-over"))
+            # (one core a rank: the login node refuses more cores than a node has before Slurm could)
+            over = prepare(str(GOLDEN_JOB), site, (f"resources.partition={pname}", f"site.devices.count={gpus * 2}",
+                                                   "site.cpus_per_task=1"), run_dir=str(tmp_path / f"{pname}-over"))
             assert f"--gpus-per-node={gpus * 2}" in over.script
             proc = _test_only(over.script, tmp_path / f"{pname}-over.sbatch", env)
             assert proc.returncode != 0, f"{site}/{pname}: {gpus * 2} GPUs per node accepted?\n{proc.stderr}"

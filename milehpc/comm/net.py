@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import socket
 import zlib
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from milehpc.errors import RuntimeFailure
+from milehpc.errors import ConfigError, RuntimeFailure
 
 PORT_BASE, PORT_SPAN, PORT_TRIES = 20000, 40000, 64
 
@@ -49,3 +50,29 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return int(sock.getsockname()[1])
+
+
+# The variables that pin a collective library to named interfaces (comma-separated; NCCL's may start with ^ to
+# exclude, = for exact names, and otherwise matches prefixes: NCCL's env docs, "NCCL_SOCKET_IFNAME").
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def check_socket_ifnames(env: Mapping[str, str], have: list[str] | None = None, *, file: str | None = None) -> None:
+    """Refuse, in one line naming the variable, a socket interface this node does not have: gloo would fail later
+    with a C++ traceback ("Unable to find address for"), NCCL would hang or fall back silently. ``have``: the
+    node's interfaces (default: the ones this process can bind)."""
+    if have is None:  # this network namespace's (a container's /sys/class/net may show another's)
+        have = sorted(name for _, name in socket.if_nameindex())
+    for var in SOCKET_IFNAME_VARS:
+        value = env.get(var, "").strip()
+        if not value or value.startswith("^"):  # an exclusion list matches whatever is left
+            continue
+        exact = value.startswith("=")
+        wanted = [w for w in value.lstrip("=").split(",") if w]
+        # gloo takes exact names; NCCL prefixes unless '='.
+        prefix = var == "NCCL_SOCKET_IFNAME" and not exact
+        missing = [w for w in wanted if not any(h.startswith(w) if prefix else h == w for h in have)]
+        if missing:
+            raise ConfigError(f"expected {var} to name interfaces of this node ({socket.gethostname()}: "
+                              f"{', '.join(have) or 'none'}), got {value!r} ({', '.join(missing)} not found)",
+                              file=file, field=f"env.{var}")

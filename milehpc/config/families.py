@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from milehpc.errors import ConfigError
 
@@ -76,12 +78,8 @@ def check_megatron_family(model_type: str, *, file: str | None = None) -> None:
 def folder_model_type(path: str | Path) -> str | None:
     """The ``model_type`` of a local HF folder's config.json, or None when the folder is not readable here (the
     login node may not see the compute nodes' filesystem; the ranks check again when they load it)."""
-    config = Path(path).expanduser() / "config.json"
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return data.get("model_type", "") if isinstance(data, dict) else ""  # readable, no family: refused
+    data = folder_config(str(path))
+    return None if data is None else data.get("model_type", "")  # readable, no family: refused
 
 
 def random_model_type(arch: str, num_experts: int, *, file: str | None = None) -> str:
@@ -94,3 +92,23 @@ def random_model_type(arch: str, num_experts: int, *, file: str | None = None) -
                               file=file, field="model.arch")
         return moe
     return arch
+
+
+@lru_cache(maxsize=32)
+def _read_config(path: str, _mtime_ns: int, _size: int) -> dict[str, Any] | None:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def folder_config(folder: str) -> dict[str, Any] | None:
+    """A folder's ``config.json`` as a dict, or None when it is not readable here (cached while the file is
+    unchanged: every rule reads it)."""
+    path = Path(folder).expanduser() / "config.json"
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return _read_config(str(path), info.st_mtime_ns, info.st_size)

@@ -8,11 +8,12 @@ from typing import Any, Literal
 
 from milehpc.config.families import RANDOM_ARCHS
 from milehpc.config.schema import opt
+from milehpc.config.slurm_time import TIME, TIME_EXPECT
+from milehpc.config.slurm_time import coerce as slurm_time
 from milehpc.errors import ConfigError
 from milehpc.plugin_types import schema_defaults
 
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
-TIME = r"(\d+-)?\d{1,2}:\d{2}:\d{2}|\d+"  # Slurm: [D-]HH:MM:SS or minutes
 ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 ADAPTER_NAME = r"[A-Za-z][A-Za-z0-9_]{0,31}"
 # peft keeps each adapter under its name in torch ModuleDicts, which refuse a key that is already an attribute of the
@@ -171,6 +172,20 @@ class TrainerSpec:
     dp: int = opt(1, min=1, help="data parallel size; trainer ranks = tp * pp * dp")
     ep: int = opt(1, min=1, help="expert parallel size (MoE)")
     micro_batch_size: int = opt(8, min=1)
+    # Issue 33: batching like verl/slime, and Megatron's memory features (milehpc.train.micro_batches; rules in
+    # milehpc.config.rules).
+    mini_batch_size: int = opt(0, min=0, help="samples per optimizer step, over all DP ranks (verl's "
+                                              "ppo_mini_batch_size x n, slime's global batch size): several steps per "
+                                              "rollout batch; 0 = the whole batch, one step")
+    max_tokens_per_micro_batch: int = opt(0, min=0, help="micro-batches by token budget: sequences (prompt + "
+                                                         "response tokens) packed up to it (verl's "
+                                                         "ppo_max_token_len_per_gpu); 0 = micro_batch_size rows")
+    recompute: Literal["none", "full", "selective"] = opt("none", help="megatron: activation recomputation "
+                                                                       "(full: every layer; selective: core attention)")
+    sequence_parallel: bool = opt(False, help="megatron: sequence parallelism over the TP group (needs tp > 1)")
+    cp: int = opt(1, min=1, help="megatron: context parallel size (refused: needs transformer-engine attention)")
+    vpp: int = opt(1, min=1, help="megatron: virtual pipeline stages per PP rank (interleaved 1F1B; needs pp > 1, "
+                                  "a dense policy alone)")
     lr: float = opt(1e-4, min=0.0)
     min_lr: float = opt(0.0, min=0.0)
     lr_schedule: Literal["constant", "cosine", "linear"] = opt("constant")
@@ -317,7 +332,9 @@ class EvalSpec:
 @dataclass
 class ResourcesSpec:
     nodes: int | None = opt(None, min=1, help="unset = as many as the plan needs")
-    time: str = opt("01:00:00", pattern=TIME, expect="a Slurm time [D-]HH:MM:SS")
+    time: str | None = opt(None, pattern=TIME, expect=TIME_EXPECT, coerce=slurm_time,
+                           help="wall time as sbatch --time takes it, at most the site partition's time_limit; "
+                                "unset = 01:00:00, or the partition's limit when that is shorter")
     partition: str | None = opt(None, pattern=NAME, expect="a partition name of the site")
     colocate: bool = opt(False, help="every rank is both trainer and rollout (shares GPUs)")
     collective_timeout_s: float = opt(600.0, min=1.0)
@@ -326,6 +343,10 @@ class ResourcesSpec:
     use: list[str] = opt([], pattern=NAME, expect="a named resource of the site (e.g. nvme)",
                          help="named site resources to request, e.g. ['nvme'] on frontier-like")
     mail_user: str | None = opt(None, pattern=r"[A-Za-z0-9_.+-]+@[A-Za-z0-9.-]+", expect="an e-mail address")
+    compute_only_inputs: list[str] = opt([], pattern=r"[A-Za-z0-9_.]+", expect="a job-spec field like data.source",
+                                         help="fields whose paths exist on the compute nodes only (under the site's "
+                                              "compute_only_paths, e.g. node-local NVMe): not looked for on the login "
+                                              "node")
 
 
 @dataclass
@@ -333,6 +354,8 @@ class ContainerSpec:
     image: str | None = opt(None, help="path of the .sif image; unset = no container")
     runtime: str = opt("apptainer", pattern=NAME, expect="a container runtime name")
     binds: list[str] = opt([])
+    auto_binds: bool = opt(True, help="bind every path the job reads or writes (model, data, checkpoints, caches...) "
+                                      "into the container; off = container.binds and the site's binds must cover them")
     env: dict[str, str] = opt({})
     flags: list[str] = opt([])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,11 @@ def site_data(name: str) -> tuple[dict[str, Any], str]:
     """The raw site dict and where it came from (a TOML path or a plugin)."""
     from milehpc import plugins
 
+    if name.endswith(".toml") or os.sep in name:  # --site path/to/site.toml: a site file used without packaging
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"expected a site name or an existing site TOML file, got {name!r}", field="--site")
+        return expand_partitions(read_toml(path), file=str(path)), str(path)
     spec = plugins.lookup("site", name, field="--site")
     impl = spec.impl
     if isinstance(impl, str | Path):

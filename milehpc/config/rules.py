@@ -11,8 +11,9 @@ implementations) and lower layers; nothing here imports torch, an engine or a tr
 Every rule has a case in ``tests/test_config_rules.py`` and a file in ``tests/corpus/jobs/`` whose header names it
 (``# rule: <function name>``); a rule added to :data:`RULES` without them fails the tests.
 
-:data:`SITE_RULES` hold the job against the partition it runs on (its ``devices``): what that partition's GPUs or
-the container shipped for them cannot run (tests/test_rocm_site_rules.py).
+:data:`SITE_RULES` hold the job against the partition it runs on: what that partition's GPUs or the container
+shipped for them cannot run (tests/test_rocm_site_rules.py), its time limit and a required account
+(tests/test_site_limits.py).
 """
 
 from __future__ import annotations
@@ -280,19 +281,27 @@ def megatron_kl_reference_is_the_initial_policy(job: JobSpec, file: str | None) 
                           file=file, field="trainer.sft_warmup_steps")
 
 
+def _experts(job: JobSpec, file: str | None) -> int:
+    """The model's experts: a checkpoint folder's config.json when given (milehpc.config.shape), else the table's."""
+    from milehpc.config.shape import model_shape
+
+    return model_shape(job, file=file).num_experts
+
+
 def megatron_moe_needs_tp_1(job: JobSpec, file: str | None) -> None:
-    """trainer.backend × model.num_experts × trainer.tp: Megatron trains MoE with TP only together with sequence
-    parallelism (transformer-engine/Apex)."""
-    if job.trainer.backend == "megatron" and job.model.num_experts > 0 and job.trainer.tp > 1:
+    """trainer.backend × model.num_experts (or model.path's config.json) × trainer.tp: Megatron trains MoE with TP
+    only together with sequence parallelism (transformer-engine/Apex)."""
+    if job.trainer.backend == "megatron" and job.trainer.tp > 1 and (n := _experts(job, file)) > 0:
         raise ConfigError(f"expected trainer.tp = 1 for a mixture of experts (model.num_experts = "
-                          f"{job.model.num_experts}; split experts with trainer.ep), got {job.trainer.tp}",
+                          f"{n}; split experts with trainer.ep), got {job.trainer.tp}",
                           file=file, field="trainer.tp")
 
 
 def megatron_ep_divides_the_experts(job: JobSpec, file: str | None) -> None:
-    """trainer.backend × trainer.ep × model.num_experts: every expert-parallel rank holds as many experts."""
-    n, ep = job.model.num_experts, job.trainer.ep
-    if job.trainer.backend == "megatron" and n > 0 and n % ep:
+    """trainer.backend × trainer.ep × model.num_experts (or model.path's config.json): every expert-parallel rank
+    holds as many experts."""
+    ep = job.trainer.ep
+    if job.trainer.backend == "megatron" and (n := _experts(job, file)) > 0 and n % ep:
         raise ConfigError(f"expected trainer.ep to divide the {n} experts (model.num_experts), got {ep}",
                           file=file, field="trainer.ep")
 
@@ -322,6 +331,68 @@ def distillation_needs_a_teacher(job: JobSpec, file: str | None) -> None:
                           file=file, field="trainer.options.teacher_path")
 
 
+def mini_batches_divide_the_batch(job: JobSpec, file: str | None) -> None:
+    """trainer.mini_batch_size × rollout.prompts_per_step × rollout.n_samples: the rollout batch splits into whole
+    mini-batches of samples (verl and slime refuse an uneven split alike)."""
+    mbs, batch = job.trainer.mini_batch_size, job.rollout.prompts_per_step * job.rollout.n_samples
+    if mbs and (mbs > batch or batch % mbs):
+        raise ConfigError(f"expected a divisor of the rollout batch (rollout.prompts_per_step x n_samples = {batch} "
+                          f"samples), got {mbs}", file=file, field="trainer.mini_batch_size")
+
+
+def megatron_features_fit_the_layout(job: JobSpec, file: str | None) -> None:
+    """trainer.recompute / sequence_parallel / cp / vpp × trainer.backend × trainer.tp × trainer.pp ×
+    model.num_layers × model.num_experts × trainer.lora × algorithm.kl_coef × algorithm.advantage: Megatron's memory
+    features
+    (milehpc.train.megatron.model). Context parallelism is refused: megatron-core 0.16.1's local DotProductAttention
+    asserts context_parallel_size == 1 ("only supported by TEDotProductAttention") and milehpc's trainer does not split
+    sequences over CP ranks. Virtual pipeline stages (milehpc.train.megatron.chunks) split the layers evenly over
+    pp * vpp chunks and train a dense policy alone (the reference, critic, teacher, LoRA and routing replay hold one
+    model chunk per rank)."""
+    tr = job.trainer
+    features = [(tr.recompute != "none", "trainer.recompute", repr(tr.recompute)),
+                (tr.sequence_parallel, "trainer.sequence_parallel", "true"),
+                (tr.cp > 1, "trainer.cp", str(tr.cp)), (tr.vpp > 1, "trainer.vpp", str(tr.vpp))]
+    if tr.backend != "megatron":
+        for on, field, got in features:
+            if on:
+                raise ConfigError(f"a Megatron feature: expected trainer.backend = 'megatron', got {tr.backend!r} with "
+                                  f"{field} = {got}", file=file, field=field)
+        return
+    if tr.cp > 1:
+        raise ConfigError(f"expected 1: context parallelism needs transformer-engine's attention (megatron-core's "
+                          f"local DotProductAttention asserts context_parallel_size == 1) and sequences split over CP "
+                          f"ranks, which milehpc's trainer does not do yet; got {tr.cp}", file=file, field="trainer.cp")
+    if tr.vpp > 1:
+        _virtual_stages_fit(job, file)
+    if tr.sequence_parallel and tr.tp == 1:
+        raise ConfigError("sequence parallelism splits the sequence over the TP group: expected trainer.tp > 1 with "
+                          "trainer.sequence_parallel = true, got 1", file=file, field="trainer.tp")
+    if tr.sequence_parallel and tr.lora is not None:
+        raise ConfigError("expected trainer.sequence_parallel = false with [trainer.lora] (the adapters' TP layers "
+                          "take the whole sequence), got true", file=file, field="trainer.sequence_parallel")
+
+
+def _virtual_stages_fit(job: JobSpec, file: str | None) -> None:
+    tr, est = job.trainer, _estimator(job, file)
+    layers = job.model.num_layers
+    extra = [(job.model.num_experts > 0, f"model.num_experts = {job.model.num_experts}"),
+             (tr.lora is not None, "[trainer.lora]"),
+             (job.algorithm.kl_coef > 0, "a KL reference (algorithm.kl_coef > 0)"),
+             (est is not None and est.needs_critic, f"a critic (algorithm.advantage = {job.algorithm.advantage!r})"),
+             (est is not None and est.needs_teacher, f"a teacher (algorithm.advantage = {job.algorithm.advantage!r})")]
+    if tr.pp == 1:
+        raise ConfigError(f"virtual pipeline stages interleave the PP stages: expected trainer.pp > 1 with "
+                          f"trainer.vpp = {tr.vpp}, got 1", file=file, field="trainer.pp")
+    if not job.model.path and layers % (tr.pp * tr.vpp):
+        raise ConfigError(f"expected trainer.pp x vpp ({tr.pp * tr.vpp}) to divide model.num_layers ({layers}), got "
+                          f"vpp = {tr.vpp}", file=file, field="trainer.vpp")
+    for on, what in extra:
+        if on:
+            raise ConfigError(f"virtual pipeline stages train a dense policy alone: expected trainer.vpp = 1 with "
+                              f"{what}, got {tr.vpp}", file=file, field="trainer.vpp")
+
+
 # ---- SGLang --------------------------------------------------------------------------------------------------
 
 def sglang_stop_strings_need_a_tokenizer(job: JobSpec, file: str | None) -> None:
@@ -337,7 +408,7 @@ def routing_replay_needs_moe(job: JobSpec, file: str | None) -> None:
     """rollout.engine × rollout.options.return_routed_experts × model.num_experts: SGLang returns routed experts
     of an MoE model only (unset = on for MoE models)."""
     if (job.rollout.engine == "sglang" and job.rollout.options.get("return_routed_experts") is True
-            and job.model.num_experts == 0):
+            and _experts(job, file) == 0):
         raise ConfigError("routing replay needs an MoE model: expected model.num_experts > 0 with "
                           "return_routed_experts = true, got 0", file=file,
                           field="rollout.options.return_routed_experts")
@@ -376,9 +447,9 @@ def lora_fits_the_trainer(job: JobSpec, file: str | None) -> None:
         (tr.distributed_optimizer, "trainer.distributed_optimizer",
          f"expected trainer.distributed_optimizer = false {why} (the adapter's optimizer state is small and "
          "checkpointed per rank), got true"),
-        (job.model.num_experts > 0, "model.num_experts",
+        (_experts(job, file) > 0, "model.num_experts",
          f"expected a dense model {why} (adapters on experts are not built), got model.num_experts = "
-         f"{job.model.num_experts}"),
+         f"{_experts(job, file)}"),
         (tr.precision == "fp8" or te is True, "trainer.precision" if tr.precision == "fp8" else
          "trainer.options.transformer_engine",
          f"expected the local layer spec {why} (transformer-engine fuses the input norm into the adapted layers), "
@@ -413,9 +484,9 @@ def lora_rolls_out_where_adapters_load(job: JobSpec, file: str | None) -> None:
         raise ConfigError(f"[trainer.lora] syncs adapters that the reference or the SGLang engine loads: expected "
                           f"rollout.engine in {', '.join(map(repr, (*REFERENCE_ENGINES, 'sglang')))}, got "
                           f"{job.rollout.engine!r}", file=file, field="rollout.engine")
-    if job.model.num_experts > 0:
+    if (experts := _experts(job, file)) > 0:
         raise ConfigError(f"expected a dense model with [trainer.lora] on rollout.engine = 'sglang' (SGLang's expert "
-                          f"adapters need its triton kernels), got model.num_experts = {job.model.num_experts}",
+                          f"adapters need its triton kernels), got model.num_experts = {experts}",
                           file=file, field="model.num_experts")
     if spec.modules_to_save:
         raise ConfigError(f"SGLang's LoRA API loads adapters only: expected no modules_to_save with rollout.engine = "
@@ -502,7 +573,8 @@ RULES: tuple[Rule, ...] = (
     partial_rollouts_need_the_builtin_generation,
     model_family_is_supported, random_moe_has_an_moe_family, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
     megatron_kl_reference_is_the_initial_policy, megatron_moe_needs_tp_1,
-    megatron_ep_divides_the_experts, fsdp_trains_the_policy_alone, distillation_needs_a_teacher,
+    megatron_ep_divides_the_experts, mini_batches_divide_the_batch, megatron_features_fit_the_layout,
+    fsdp_trains_the_policy_alone, distillation_needs_a_teacher,
     sglang_stop_strings_need_a_tokenizer, routing_replay_needs_moe, lora_fits_the_trainer,
     lora_rolls_out_where_adapters_load, evaluation_needs_validation_prompts, evaluation_sees_synced_weights,
 )
@@ -574,7 +646,31 @@ def amd_has_no_colocation(job: JobSpec, partition: Partition, file: str | None) 
                           "GPUs) for rollout.engine = 'sglang', got true", file=file, field="resources.colocate")
 
 
-SITE_RULES: tuple[SiteRule, ...] = (mxfp8_needs_sm100, amd_has_no_transformer_engine, amd_has_no_colocation)
+def time_fits_the_partition(job: JobSpec, partition: Partition, file: str | None) -> None:
+    """resources.time × the partition's time_limit: sbatch refuses (or the job pends forever with
+    PartitionTimeLimit) a job asking for more time than its partition gives."""
+    from milehpc.config.slurm_time import describe, job_time, seconds
+
+    asked = job_time(job.resources.time, partition.time_limit)
+    want, limit = seconds(asked), seconds(partition.time_limit)
+    if limit is not None and (want is None or want > limit):
+        def shown(text: str, secs: int | None) -> str:  # the value as written, and in D-HH:MM:SS when that differs
+            return text if describe(secs) == text else f"{text} ({describe(secs)})"
+
+        raise ConfigError(f"expected at most the site partition's time_limit {shown(partition.time_limit, limit)}, "
+                          f"got {shown(asked, want)}", file=file, field="resources.time")
+
+
+def required_account_is_set(job: JobSpec, partition: Partition, file: str | None) -> None:
+    """access.account_required × access.account (the job's [site.access]): the site refuses a job without one."""
+    access = partition.access
+    if partition.scheduler == "slurm" and access.account_required and not access.account:
+        raise ConfigError("the site requires an account: expected [site.access] account = \"NAME\" in the job (or "
+                          "--set site.access.account=NAME), got none", file=file, field="site.access.account")
+
+
+SITE_RULES: tuple[SiteRule, ...] = (mxfp8_needs_sm100, amd_has_no_transformer_engine, amd_has_no_colocation,
+                                    time_fits_the_partition, required_account_is_set)
 
 
 def check_site_rules(job: JobSpec, partition: Partition, *, file: str | None = None) -> None:

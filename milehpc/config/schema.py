@@ -20,7 +20,7 @@ import re
 import types
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from milehpc.errors import ConfigError
+from milehpc.errors import ConfigError, did_you_mean
 from milehpc.plugin_types import Registered
 
 T = TypeVar("T")
@@ -150,9 +150,8 @@ def build(cls: type[T], data: Any, *, file: str | None = None, prefix: str = "")
     unknown = [k for k in data if k not in fields]
     if unknown:
         where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(
-            f"unknown key (expected one of: {', '.join(sorted(fields))})", file=file, field=where
-        )
+        raise ConfigError(f"unknown key (expected one of: {', '.join(sorted(fields))}){did_you_mean(unknown[0], fields)}",
+                          file=file, field=where)
     kwargs = {}
     for name, f in fields.items():
         where = f"{prefix}.{name}" if prefix else name
@@ -160,7 +159,10 @@ def build(cls: type[T], data: Any, *, file: str | None = None, prefix: str = "")
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"missing (expected {_describe(hints[name])})", file=file, field=where)
             continue
-        value = convert(hints[name], data[name], where, file, finite=not f.metadata.get("nonfinite", False))
+        raw = data[name]
+        if "coerce" in f.metadata:  # e.g. a TOML time-of-day read as a Slurm time string (config.slurm_time)
+            raw = f.metadata["coerce"](raw)
+        value = convert(hints[name], raw, where, file, finite=not f.metadata.get("nonfinite", False))
         _check_constraints(f, value, where, file)
         kwargs[name] = value
     obj = cls(**kwargs)
@@ -194,7 +196,7 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def opt(default: Any = dataclasses.MISSING, *, help: str = "", **meta: Any) -> Any:
     """A field with a help text and constraints (``min``, ``max``, ``pattern``, ``expect``, ``nonfinite``: NaN/±inf
-    allowed, say in ``help`` what they mean)."""
+    allowed, say in ``help`` what they mean; ``coerce``: a function applied to the raw TOML value first)."""
     meta["help"] = help
     if isinstance(default, list | dict):
         # Each instance gets its own copy of a mutable default.
@@ -215,8 +217,8 @@ def check_params(declared: Registered | dict[str, Any], params: dict[str, Any], 
         known = sorted(f.name for f in dataclasses.fields(schema) if f.init)
         for key in params if isinstance(params, dict) else ():
             if key not in known:
-                raise ConfigError(f"unknown parameter (expected one of: {', '.join(known) or 'none'})", file=file,
-                                  field=f"{prefix}.{key}")
+                raise ConfigError(f"unknown parameter (expected one of: {', '.join(known) or 'none'})"
+                                  f"{did_you_mean(key, known)}", file=file, field=f"{prefix}.{key}")
         built = build(schema, params, file=file, prefix=prefix)
         return {f.name: to_dict(getattr(built, f.name)) for f in dataclasses.fields(schema) if f.init}
     defaults = declared.defaults if isinstance(declared, Registered) else declared
@@ -225,7 +227,8 @@ def check_params(declared: Registered | dict[str, Any], params: dict[str, Any], 
         where = f"{prefix}.{key}"
         if key not in defaults:
             known = ", ".join(sorted(defaults)) or "none"
-            raise ConfigError(f"unknown parameter (expected one of: {known})", file=file, field=where)
+            raise ConfigError(f"unknown parameter (expected one of: {known}){did_you_mean(key, defaults)}", file=file,
+                              field=where)
         default = defaults[key]
         if default is not None:
             tp = float if isinstance(default, float) else type(default)

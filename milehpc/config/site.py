@@ -8,8 +8,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from milehpc.config.job import ENV_NAME, NAME, TIME
+from milehpc.config.job import ENV_NAME, NAME
 from milehpc.config.schema import deep_merge, opt
+from milehpc.config.slurm_time import TIME, TIME_EXPECT
+from milehpc.config.slurm_time import coerce as slurm_time
 from milehpc.errors import ConfigError
 
 # Slurm/launcher options are validated to a conservative grammar so that they can be rendered unquoted-safe.
@@ -26,6 +28,14 @@ class Access:
     reservation: str | None = opt(None, pattern=r"[A-Za-z0-9_.-]+", expect="a reservation name")
     core_spec: int | None = opt(None, min=0, help="-S: cores reserved for the system (Frontier: 8 by default)")
     options: list[str] = opt([], pattern=SLURM_OPT, expect="an sbatch option like --exclusive or --mem=0")
+    account_required: bool = opt(False, help="the site refuses jobs without --account: a job must set [site.access] "
+                                             "account (the login node refuses it otherwise)")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        # --exclusive gives the whole node's cores but only the default memory per CPU: --mem=0 asks for all of it.
+        if "--exclusive" in self.options and not any(o.startswith("--mem") for o in self.options):
+            raise ConfigError("expected --mem=0 with --exclusive (an exclusive node otherwise gets the default memory "
+                              f"per CPU only), got {self.options!r}", file=file, field=f"{prefix}.options")
 
 
 @dataclass
@@ -48,6 +58,18 @@ class Devices:
                                    "rocm-smi report it; unset = unknown (plan shows the estimate, nothing is refused)")
 
 
+@dataclass
+class Interconnect:
+    """The figures the weight-sync estimate needs (milehpc.weights.cost); from the vendor's or centre's
+    documentation, decimal GB/s in one direction. Unset = unknown (plan shows bytes and buckets, no seconds)."""
+
+    node_gb_s: float | None = opt(None, min=0.001, help="one node's injection bandwidth into the inter-node fabric "
+                                  "(all its NICs together), GB/s in one direction")
+    gpu_link_gb_s: float | None = opt(None, min=0.001, help="the slowest direct GPU-to-GPU link inside a node, GB/s "
+                                      "in one direction")
+    latency_us: float = opt(2.0, min=0.0, help="per message and hop (a bucket's broadcast pays it once per member)")
+
+
 def _check_env_names(env: dict[str, str], *, file: str | None, field: str) -> None:
     for key in env:
         if not re.fullmatch(ENV_NAME, key):
@@ -58,6 +80,9 @@ def _check_env_names(env: dict[str, str], *, file: str | None, field: str) -> No
 class ContainerPlatform:
     flags: list[str] = opt([], pattern=SLURM_OPT, expect="a container runtime option like --rocm")
     binds: list[str] = opt([], pattern=r"[A-Za-z0-9_.,:/@%+-]+", expect="a bind spec src[:dst[:opts]] (no variables)")
+    bind_roots: list[str] = opt([], pattern=r"/[A-Za-z0-9_.,/@%+-]*", expect="an absolute host path",
+                                help="host paths a container may bind (the file systems compute nodes mount); "
+                                     "a job path outside them is refused; empty = any")
     env: dict[str, str] = opt({}, help="host variables read by the runtime (APPTAINERENV_X sets X inside)")
     modules: list[str] = opt([], pattern=MODULE, expect="a module name")
 
@@ -89,9 +114,13 @@ class Partition:
     devices: Devices = opt(Devices)
     cpus_per_node: int = opt(2, min=1)
     cpus_per_task: int = opt(1, min=1)
+    mem_per_node_gib: float | None = opt(None, min=0.5, help="host memory of one node in GiB (what free -g or the "
+                                         "user guide says); CPU partitions check their ranks against it. Unset = "
+                                         "unchecked (a local partition reads this machine's MemTotal)")
     ranks_per_node: int | None = opt(None, min=1, help="unset = one rank per GPU (CPU: cpus_per_node/cpus_per_task)")
     max_nodes: int = opt(1, min=1)
-    time_limit: str = opt("24:00:00", pattern=TIME, expect="a Slurm time [D-]HH:MM:SS")
+    time_limit: str = opt("24:00:00", pattern=TIME, expect=TIME_EXPECT, coerce=slurm_time,
+                          help="the partition's (or QOS's) longest job; a job's resources.time above it is refused")
     modules: list[str] = opt([], pattern=MODULE, expect="a module name")
     module_purge: bool = opt(False)
     env: dict[str, str] = opt({}, help="environment for every rank (values may use ${VAR})")
@@ -103,6 +132,27 @@ class Partition:
     containers: dict[str, ContainerPlatform] = opt({})
     sandbox: SiteSandbox = opt(SiteSandbox)
     resources: dict[str, list[str]] = opt({}, help="named extra sbatch options, e.g. nvme = ['--constraint=nvme']")
+    compute_only_paths: list[str] = opt([], pattern=r"/[A-Za-z0-9_./${}-]*", expect="an absolute path (may use ${USER})",
+                                        help="folders that exist on the compute nodes only (node-local NVMe): a job "
+                                             "input under one is not looked for on the login node when the job lists "
+                                             "its field in resources.compute_only_inputs")
+    fs_write_gib_s: float | None = opt(None, min=0.001, help="GiB/s one job writes to the shared file system "
+                                       "(checkpoints); checkpoint.signal_lead_s must cover writing one. Unset = unchecked")
+    interconnect: Interconnect = opt(Interconnect, help="the GPU fabric's figures (weight-sync estimate)")
+
+    def _check_placement(self, *, file: str | None, prefix: str) -> None:
+        """A GPU node's ranks each get cpus_per_task cores of their own (its cores per GPU), bound to them: several
+        ranks on a node without binding, or more cores than the node has, share cores and NUMA domains."""
+        if self.devices.count == 0 or self.scheduler != "slurm":
+            return  # CPU ranks on a test host oversubscribe by design (local, local-slurm debug)
+        if self.cpus_per_task * self.slots_per_node > self.cpus_per_node:
+            raise ConfigError(f"expected cpus_per_task * ranks per node ({self.cpus_per_task} x {self.slots_per_node})"
+                              f" to fit the node's {self.cpus_per_node} cores, got {self.cpus_per_task * self.slots_per_node}",
+                              file=file, field=f"{prefix}.cpus_per_task")
+        if self.slots_per_node > 1 and "--cpu-bind=none" in self.launcher.flags:
+            raise ConfigError(f"expected --cpu-bind=cores (or a map) with {self.slots_per_node} ranks per node: "
+                              "'none' leaves them free to share cores and cross NUMA domains, got --cpu-bind=none",
+                              file=file, field=f"{prefix}.launcher.flags")
 
     @property
     def slots_per_node(self) -> int:
@@ -113,6 +163,7 @@ class Partition:
         return max(1, self.cpus_per_node // self.cpus_per_task)
 
     def validate(self, *, file: str | None, prefix: str) -> None:
+        self._check_placement(file=file, prefix=prefix)
         for table in ("env", "env_single_node", "env_multi_node"):
             _check_env_names(getattr(self, table), file=file, field=f"{prefix}.{table}")
         for key, opts in self.resources.items():

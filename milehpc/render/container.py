@@ -16,8 +16,9 @@ FORWARD_NAMES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORD
 
 
 def apptainer_argv(plan: Plan, partition: Partition, container: ContainerSpec, run_dir: str) -> list[str]:
-    """``apptainer exec`` with the GPU flag for the site's vendor, a clean environment, and the binds
-    (the run directory among them: the ranks read the plan there and write checkpoints)."""
+    """``apptainer exec`` with the GPU flag for the site's vendor, a clean environment, and the binds: the run
+    directory (the ranks read the plan there), the site's, and ``container.binds``, which by then also holds a bind
+    for every other path the job reads or writes (milehpc.render.binds, added by milehpc.render.rundir)."""
     argv = ["apptainer", "exec", "--cleanenv"]
     platform = partition.containers.get("apptainer")
     site_flags = platform.flags if platform else []

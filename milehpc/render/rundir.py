@@ -6,16 +6,19 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from milehpc.config.inputs import check_inputs
 from milehpc.config.job import JobSpec, wandb_mode
 from milehpc.config.load import job_label, load_job, load_site
 from milehpc.config.rules import check_job_rules, check_site_rules
 from milehpc.config.schema import to_dict
+from milehpc.config.shape import model_shape
 from milehpc.config.site import Partition, Site
 from milehpc.errors import ConfigError
 from milehpc.plan import Plan, make_plan
+from milehpc.render.requeue import check_signal_lead
 from milehpc.render.script import ScriptInputs, render_script
 from milehpc.sandbox.choice import check as check_sandbox
 from milehpc.sandbox.choice import resolve as resolve_sandbox
@@ -43,9 +46,20 @@ def container_argv(job: JobSpec, plan: Plan, partition: Partition, run_dir: Path
     if not job.container.image:
         return []
     from milehpc import plugins
+    from milehpc.render.binds import auto_binds, check_binds, job_paths
 
     wrap = plugins.load("container", job.container.runtime, file=file, field="container.runtime")
-    return list(wrap(plan, partition, job.container, str(run_dir)))
+    # The container sees only what is bound: every path the ranks read or write gets a bind (or the job is refused
+    # here, in one line, rather than failing on every rank after the queue).
+    container = job.container
+    platform = partition.containers.get(container.runtime)
+    paths = job_paths(job, str(run_dir), {**partition.env, **job.env})
+    binds = [str(run_dir), *(platform.binds if platform else []), *container.binds]
+    if container.auto_binds:
+        container = replace(container, binds=[*container.binds, *auto_binds(paths, binds)])
+    check_binds(paths, [str(run_dir), *(platform.binds if platform else []), *container.binds],
+                allowed=platform.bind_roots if platform else [], site=plan.site, file=file)
+    return list(wrap(plan, partition, container, str(run_dir)))
 
 
 def prepare(job_file: str, site_name: str, overrides: tuple[str, ...] = (), *, run_dir: str | None = None,
@@ -54,12 +68,18 @@ def prepare(job_file: str, site_name: str, overrides: tuple[str, ...] = (), *, r
     job = job or load_job(job_file, overrides)
     site, partition = load_site(site_name, job, job_file)
     part_name = job.resources.partition or site.default_partition
-    plan = make_plan(job, partition, site=site.name, partition_name=part_name, file=job_file)
+    label = job_label(job_file, overrides)
+    # Inputs first (a missing model folder would make the shape below the [model] table's), then ONE model shape
+    # for the layout: a checkpoint folder's config.json (milehpc.config.shape).
+    check_inputs(job, partition, file=label)
+    plan = make_plan(job, partition, site=site.name, partition_name=part_name, file=job_file,
+                     shape=model_shape(job, file=label))
     _check_plugins(job, job_file)
     # The rules that span several tables (milehpc.config.rules): here, so submit, render, plan, run, --resume and
     # --sweep all refuse a job that can only fail before it queues.
     check_job_rules(job, file=job_label(job_file, overrides))
     check_site_rules(job, partition, file=job_label(job_file, overrides))  # what the partition's GPUs cannot run
+    check_signal_lead(job, partition, file=label)
     if "wandb" in job.logging.loggers:  # online W&B needs a site whose compute nodes have network
         wandb_mode(str(job.logging.params.get("wandb", {}).get("mode", "auto")), partition.network, file=job_file)
     # The sandbox the ranks will use: the job's [sandbox] over the site partition's (the job alone cannot say).
@@ -90,13 +110,11 @@ def _check_plugins(job: JobSpec, file: str) -> None:
 
 
 def check_paths(job: JobSpec, file: str) -> None:
-    """Paths the ranks will read must exist before a real submission (a dry run may be done elsewhere)."""
-    if not job.data.source.startswith("task:") and not Path(job.data.source).expanduser().is_file():
-        raise ConfigError(f"expected 'task:NAME' or an existing JSONL file, got {job.data.source!r}",
-                          file=file, field="data.source")
-    for where, path in (("model.path", job.model.path), ("container.image", job.container.image)):
-        if path and not Path(path).expanduser().exists():
-            raise ConfigError(f"expected an existing path, got {path!r}", file=file, field=where)
+    """The container image must exist before a real submission (a dry run may be rendered elsewhere); every other
+    input is checked by :func:`prepare` (milehpc.config.inputs)."""
+    image = job.container.image
+    if image and not Path(image).expanduser().exists():
+        raise ConfigError(f"expected an existing path, got {image!r}", file=file, field="container.image")
 
 
 def write_run_dir(prep: Prepared, *, resume: bool = False) -> Path:
@@ -108,6 +126,11 @@ def write_run_dir(prep: Prepared, *, resume: bool = False) -> Path:
         raise ConfigError(f"run directory {rdir} already exists and is not empty "
                           "(resume it with --resume, or choose another run.run_dir)", field="run.run_dir")
     mode = int(prep.job.run.dir_mode, 8)
+    if prep.job.container.image and prep.job.container.auto_binds:
+        from milehpc.render.binds import create_writable, job_paths
+
+        # The checkpoint dir and caches outside the run dir are bound as they are: they must exist before the job.
+        create_writable(job_paths(prep.job, str(rdir), {**prep.partition.env, **prep.job.env})[1:])
     try:
         rdir.mkdir(parents=True, exist_ok=True, mode=mode)
         os.chmod(rdir, mode)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from milehpc.config.job import JobSpec
 from milehpc.config.site import Partition
+from milehpc.config.slurm_time import job_time
 from milehpc.errors import ConfigError
 from milehpc.plan import Plan
 from milehpc.render import shell
@@ -79,7 +80,7 @@ def _sbatch_options(inp: ScriptInputs) -> list[str]:
         f"--ntasks={plan.world_size}",
         f"--ntasks-per-node={min(plan.ranks_per_node, plan.world_size)}",
         f"--cpus-per-task={part.cpus_per_task}",
-        f"--time={job.resources.time}",
+        f"--time={job_time(job.resources.time, part.time_limit)}",
         f"--output={inp.run_dir}/logs/slurm-%j.out",
         # Wall time: the batch shell gets USR1 `lead` seconds before the limit, asks the ranks to checkpoint,
         # and requeues itself (see the end of the script).
@@ -143,7 +144,9 @@ def render_script(inp: ScriptInputs) -> str:
         raise ConfigError(
             f"expected a run directory path of letters, digits and ./_-@%+,:= (it goes on #SBATCH lines), got {inp.run_dir!r}",
             file=inp.job_file or None, field="run.run_dir")
-    env = {**part.env, **job.env}
+    # Each rank's thread pools (OpenMP, torch intra-op) sized to its own cores (the site's cores per GPU), unless the
+    # site or the job says otherwise: unset, every rank would start one thread per core of the node.
+    env = {"OMP_NUM_THREADS": str(part.cpus_per_task), **part.env, **job.env}
     container_env = part.containers["apptainer"].env if inp.container_argv and "apptainer" in part.containers else {}
     forward = sorted({*env, *part.env_single_node, *part.env_multi_node, "PYTHONUNBUFFERED"})
     template = "local.sh.j2" if part.scheduler == "local" else "job.sbatch.j2"

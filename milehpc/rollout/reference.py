@@ -5,6 +5,12 @@ Logprobs are those of the distribution sampled from before top-k/top-p truncatio
 ``log_softmax(logits / temperature)`` (temperature 0 = greedy, scored at temperature 1), computed in fp32. The
 trainer divides its logits by the same temperature, so with fp32 weights the two agree to float rounding.
 
+Generation (``python bench/engine_speed.py`` times it against transformers' ``generate``): each distinct context
+is prefilled once and its KV-cache rows are copied to the samples that continue it (a prompt's ``n`` samples);
+every step draws a token for every row from the engine's random stream, finished rows included (their token is
+dropped), so a row's samples never depend on when the others finish; once a quarter of the decode batch has
+finished, those rows leave it (and the cache); no forward runs after the last token.
+
 LoRA (``[trainer.lora]``): a sync carries adapter tensors named ``<module>.lora_A.weight`` / ``.lora_B.weight``
 (:mod:`milehpc.train.lora`) and the scaling ``alpha / rank`` as a one-element tensor named :data:`LORA_SCALING`
 (so the engine needs no job config to apply them). The engine keeps a copy of the base weight of each adapted
@@ -79,6 +85,8 @@ class ReferenceEngine:
 
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # The prefill needs the last position's logits only (what transformers' own generate asks for).
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
     # ---- generation ---------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
@@ -121,14 +129,19 @@ class ReferenceEngine:
         import torch
         from transformers.cache_utils import DynamicCache
 
-        B, L = len(contexts), max(map(len, contexts))
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for i, c in enumerate(contexts):  # left padding: every row's next token goes in the same column
-            ids[i, L - len(c):] = torch.tensor(c, dtype=torch.long)
-            mask[i, L - len(c):] = 1
+        B, T = len(contexts), sp.max_new_tokens
+        # Prefill each distinct context once (a prompt's n samples share it) and copy its cache rows to the samples
+        # that continue it: the prefill is most of a short generation's work, and a row's result is the same.
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = torch.tensor([distinct.setdefault(tuple(c), len(distinct)) for c in contexts], device=self.device)
+        ids, mask = _left_padded(list(distinct), self.pad_id)
+        L = ids.shape[1]
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        # One mask for the whole generation (the prompt's padding, then ones); step k passes its first L + k columns.
+        full_mask = torch.ones((B, L + T), dtype=mask.dtype, device=self.device)
+        full_mask[:, :L] = mask.index_select(0, rows)
+        next_pos = pos[:, -1:].index_select(0, rows) + 1
         stop_ids = torch.tensor(sorted({self.eos_id, *sp.stop_token_ids}), device=self.device)
         temperature = sp.temperature if sp.temperature > 0 else 1.0
         gen = self.generator
@@ -136,40 +149,52 @@ class ReferenceEngine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(sp.seed)
 
-        out_ids = torch.empty((B, 0), dtype=torch.long, device=self.device)
-        out_lps = torch.empty((B, 0), dtype=torch.float32, device=self.device)
+        out_ids = torch.full((B, T), self.pad_id, dtype=torch.long, device=self.device)
+        out_lps = torch.zeros((B, T), dtype=torch.float32, device=self.device)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
         stopped = torch.zeros(B, dtype=torch.bool, device=self.device)
+        pad = torch.full((B,), self.pad_id, dtype=torch.long, device=self.device)
         cache = DynamicCache()
         with torch.inference_mode():
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                                **{self._cache_kw: cache}).logits[:, -1, :]
-            next_pos = pos[:, -1:] + 1
-            for _ in range(sp.max_new_tokens):
-                logits = logits.float() / temperature
-                logprobs = torch.log_softmax(logits, dim=-1)
-                if sp.temperature == 0:
-                    tok = logits.argmax(-1)
-                else:
-                    probs = torch.softmax(filter_logits(logits, sp.top_k, sp.top_p), dim=-1)
-                    tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-                tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
-                lp = logprobs.gather(-1, tok[:, None]).squeeze(-1)
-                out_ids = torch.cat([out_ids, tok[:, None]], 1)
-                out_lps = torch.cat([out_lps, lp[:, None]], 1)
-                lengths += (~done).long()
+                                **{self._cache_kw: cache}, **self._last_logits).logits[:, -1, :]
+            if len(distinct) < B:
+                logits = logits.index_select(0, rows)
+                cache.reorder_cache(rows)
+            scores = logits.float() / temperature
+            live = None  # the rows in the decode batch: None = all; else their indices (finished rows leave it)
+            for k in range(T):
+                # All B rows are drawn, finished ones too (their token becomes pad): the random stream advances as
+                # it always did, so a row's draw does not depend on which other rows have finished.
+                tok = torch.where(done, pad, _draw(scores, sp, gen))
+                out_ids[:, k] = tok
+                out_lps[:, k] = torch.log_softmax(scores, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+                lengths += ~done
                 hit = torch.isin(tok, stop_ids) & ~done
                 if sp.stop:
                     hit |= self._stop_strings(out_ids, lengths, done, sp.stop)
                 stopped |= hit
                 done |= hit
-                if bool(done.all()):
+                if k + 1 == T:  # the last token needs no forward after it
                     break
-                mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], 1)
-                logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                                    use_cache=True, **{self._cache_kw: cache}).logits[:, -1, :]
-                next_pos = next_pos + 1
+                left = int((~done).sum())
+                if left == 0:
+                    break
+                if left <= (B if live is None else len(live)) * 3 // 4:
+                    # A quarter of the batch has finished: drop those rows from the cache (a copy of it, about
+                    # what a step's cache growth costs anyway) instead of computing them every step.
+                    keep = (~done if live is None else ~done[live]).nonzero().squeeze(1)
+                    live = keep if live is None else live[keep]
+                    cache.reorder_cache(keep)
+                sel = slice(None) if live is None else live
+                step = self.model(input_ids=tok[sel, None], attention_mask=full_mask[sel, :L + k + 1],
+                                  position_ids=next_pos[sel] + k, use_cache=True,
+                                  **{self._cache_kw: cache}).logits[:, -1, :].float() / temperature
+                if live is None:
+                    scores = step
+                else:
+                    scores[live] = step
         lengths_l = lengths.tolist()
         ids_l, lps_l = out_ids.tolist(), out_lps.tolist()
         self.tokens_generated += sum(lengths_l)
@@ -321,6 +346,27 @@ def _named_adapter(name: str) -> tuple[str, str | None] | None:
             if head.endswith(part):
                 return adapter, head.removesuffix(part) + ".weight"
     return None
+
+
+def _draw(scores: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    """One token per row of ``scores`` (logits / temperature): greedy at temperature 0, else sampled after
+    top-k/top-p."""
+    import torch
+
+    if sp.temperature == 0:
+        return scores.argmax(-1)
+    probs = torch.softmax(filter_logits(scores, sp.top_k, sp.top_p), dim=-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def _left_padded(contexts: list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of ``contexts``, left-padded so every row's next token takes the same column."""
+    import torch
+
+    L = max(map(len, contexts))
+    ids = torch.tensor([(pad_id,) * (L - len(c)) + c for c in contexts], dtype=torch.long)
+    mask = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long)
+    return ids, mask
 
 
 def sampling_from_spec(rollout: Any, tokenizer: Any) -> SamplingParams:

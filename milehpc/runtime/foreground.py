@@ -9,15 +9,20 @@ from pathlib import Path
 from typing import Any
 
 
-def run_job(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir: str | None = None) -> tuple[int, Path]:
+def run_job(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir: str | None = None,
+            force: bool | str | None = None) -> tuple[int, Path]:
     """Returns (exit code of the job script, run directory)."""
     import os
     import sys
 
+    from milehpc.config.load import job_label
+    from milehpc.memory import for_job
     from milehpc.render.rundir import check_paths, prepare, write_run_dir
     from milehpc.scheduler.local import run_foreground
 
     prep = prepare(job_file, site, overrides, run_dir=run_dir)
+    # As submit: ranks that cannot fit their devices (or, on a CPU site, this machine) are refused here.
+    for_job(prep.job, prep.plan, prep.partition, file=job_label(job_file, overrides), force=force or False)
     check_paths(prep.job, job_file)
     # The job runs here: sglang / torch_memory_saver / transformer-engine must be here too (one line, exit 2).
     from milehpc.config.requirements import check_requirements

@@ -73,6 +73,35 @@ def _end_before_mpi(err: MilehpcError, rank: int) -> None:
     _end(err.exit_code, str(err) if rank == 0 else None, rank)
 
 
+def _check_interfaces(world: Any, run_dir: str | os.PathLike[str], timeout: float) -> None:
+    """The site's socket interfaces (GLOO_/NCCL_SOCKET_IFNAME) on every node, before gloo or NCCL would fail on
+    them with a C++ traceback or a hang. Every rank checks its node and the ranks compare (a timed nonblocking
+    allgather of one flag): rank 0 speaks when every node lacks them, else each rank whose node does; all end."""
+    from array import array
+
+    from milehpc.comm.net import check_socket_ifnames
+
+    try:
+        check_socket_ifnames(os.environ, file=str(Path(run_dir) / "site.json"))
+        error = None
+    except MilehpcError as err:
+        error = err
+    rank, size = world.Get_rank(), world.Get_size()
+    flags = array("i", [0] * size)
+    request = world.Iallgather(array("i", [int(error is not None)]), flags)
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:  # a rank that never came: the start-up barrier will name it
+            break
+        time.sleep(0.01)
+    if error is None and not any(flags):
+        return
+    speak = error is not None and (rank == 0 or not all(flags))
+    if rank != 0:
+        time.sleep(1.0)  # as in _end_before_mpi: rank 0's line first
+    _end(2, str(error) if speak and error is not None else None, rank)
+
+
 def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
     """Run this rank of the job in ``run_dir``; returns only on success (see the module docstring)."""
     import faulthandler
@@ -105,6 +134,8 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
         _end_before_mpi(err, rank)
         return
 
+    _check_interfaces(world, run_dir, job.resources.startup_timeout_s)
+
     from milehpc.comm.context import RunContext
     from milehpc.comm.world import bootstrap
     from milehpc.plugin_types import load_ref
@@ -114,6 +145,8 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
     try:
         run_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("MILEHPC_RUN_ID") or Path(run_dir).resolve().name
         comms = bootstrap(plan, job, run_id=run_id, master_addr=partition.get("master_addr"))
+        if rank == 0:
+            _record_hosts(run_dir, [p.host for p in comms.peers])
         restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
         ctx = RunContext(job=job, plan=plan, comms=comms, run_dir=Path(run_dir),
                          restart_count=int(restarts) if restarts.isdigit() else 0, partition=partition)
@@ -156,6 +189,24 @@ def _end_past_the_saver() -> None:
             if MPI.Is_initialized() and not MPI.Is_finalized():
                 MPI.Finalize()  # what the skipped teardown would do: a rank ending without it fails under mpirun
             end_process(0)
+
+
+HOSTS_FILE = ".milehpc/hosts.json"
+
+
+def _record_hosts(run_dir: str | os.PathLike[str], hosts: list[str]) -> None:
+    """Where every rank runs, as each reported its host name at start-up (``RUN_DIR/.milehpc/hosts.json``, one
+    entry per run of the job): what ``milehpc plan --ranks`` promised, checked against what the launcher did."""
+    import json
+
+    path = Path(run_dir) / HOSTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    runs = json.loads(path.read_text()) if path.exists() else []
+    runs.append({"job_id": os.environ.get("SLURM_JOB_ID"), "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+                 "nodelist": os.environ.get("SLURM_JOB_NODELIST"), "hosts": hosts})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(runs, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def _mark_done(run_dir: str | os.PathLike[str]) -> None:

@@ -41,7 +41,7 @@ def stop(target: str) -> list[str]:
                          f"got {target!r}", field="JOBID|RUN_DIR")
 
 
-def _check_run_dir(path: Path) -> Path:
+def check_run_dir(path: Path) -> Path:
     if not (path / RUN_DIR_MARKER).is_file():
         raise SchedulerError(f"{path} is not a milehpc run directory (no {RUN_DIR_MARKER}: not written by "
                              f"`milehpc submit`)", field="JOBID|RUN_DIR")
@@ -49,8 +49,8 @@ def _check_run_dir(path: Path) -> Path:
 
 
 def _stop_run_dir(path: Path) -> list[str]:
-    run_dir = _check_run_dir(path)
-    job_id = _job_of(run_dir)
+    run_dir = check_run_dir(path)
+    job_id = job_of(run_dir)
     if job_id is None:  # submitted from elsewhere: its ranks, if running, read the request all the same
         _request(run_dir)
         return [f"no milehpc job record for {run_dir}; asked any job running there to checkpoint and stop",
@@ -58,7 +58,7 @@ def _stop_run_dir(path: Path) -> list[str]:
     return _stop_job(job_id)
 
 
-def _job_of(run_dir: Path) -> str | None:
+def job_of(run_dir: Path) -> str | None:
     """The newest recorded job of ``run_dir`` (``123_2`` for the third run of a sweep)."""
     for rec in reversed(read_records()):
         if _same_dir(rec.get("run_dir"), run_dir):
@@ -103,7 +103,7 @@ def _run_dir(job_id: str) -> Path:
     if run_dir is None:
         raise SchedulerError(f"no run directory known for job {job_id} (submitted elsewhere?): give its RUN_DIR",
                              field="JOBID")
-    return _check_run_dir(run_dir)
+    return check_run_dir(run_dir)
 
 
 def _request(run_dir: Path) -> None:

@@ -16,7 +16,7 @@ from milehpc.scheduler.slurm import dependency_args
 
 def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir: str | None = None,
            dry_run: bool = False, resume: str | None = None, after: str | None = None,
-           sweep: str | None = None, force: bool = False) -> dict[str, Any]:
+           sweep: str | None = None, force: bool | str | None = False) -> dict[str, Any]:
     job = None
     if resume:
         from milehpc.config.load import apply_overrides, job_from_dict
@@ -38,7 +38,7 @@ def submit(job_file: str, site: str, overrides: tuple[str, ...] = (), *, run_dir
                             force=force)
     prep = prepare(job_file, site, overrides, run_dir=run_dir, job=job)
     # A layout whose ranks cannot fit their devices would fail after the queue: refuse it here (--force: submit).
-    for_job(prep.job, prep.plan, prep.partition, file=job_label(job_file, overrides), force=force)
+    for_job(prep.job, prep.plan, prep.partition, file=job_label(job_file, overrides), force=force or False)
     result: dict[str, Any] = {"site": prep.site.name, "run_dir": str(prep.run_dir), "plan": prep.plan.summary()}
     extra = dependency_args(after, prep.partition.scheduler)
     if extra:

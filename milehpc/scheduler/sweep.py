@@ -55,7 +55,7 @@ def _shared_options(key: str, values: list[str], preps: list[Prepared]) -> list[
 
 
 def submit_sweep(job_file: str, site: str, overrides: tuple[str, ...], sweep: str, *, run_dir: str | None,
-                 dry_run: bool = False, after: str | None = None, force: bool = False) -> dict[str, Any]:
+                 dry_run: bool = False, after: str | None = None, force: bool | str | None = False) -> dict[str, Any]:
     from milehpc.render.script import template_environment
 
     key, values = parse_sweep(sweep)
@@ -65,7 +65,7 @@ def submit_sweep(job_file: str, site: str, overrides: tuple[str, ...], sweep: st
     from milehpc.memory import for_job
 
     for prep, value in zip(preps, values, strict=True):  # every value's layout must fit its devices (--force: submit)
-        for_job(prep.job, prep.plan, prep.partition, file=f"{job_file} (with --sweep {key}={value})", force=force)
+        for_job(prep.job, prep.plan, prep.partition, file=f"{job_file} (with --sweep {key}={value})", force=force or False)
     first = preps[0]
     if first.partition.scheduler != "slurm":
         raise ConfigError(f"--sweep runs a Slurm job array; site '{first.site.name}' has no scheduler (loop over "

@@ -1,11 +1,12 @@
 """The reference trainer: HF-architecture models in plain PyTorch, data parallel over the default process group
 (gloo on CPU, NCCL on GPUs) with DDP, or FSDP2 (``fully_shard``) with ``trainer.options.fsdp = true``.
 
-One ``train_step`` = one optimizer step over this DP rank's share of the batch: micro-batches with gradient
-accumulation (DDP syncs only on the last), clipping, AdamW, an LR schedule. The logprobs and entropy that the
-metrics report come from the very forward pass that the loss uses (:meth:`TorchTrainer.forward`), so the
-train–inference comparison measures what the loss sees. A frozen reference copy (KL) and a critic (PPO+GAE)
-are built when the algorithm asks for them.
+One ``train_step`` = one optimizer step over this DP rank's share of the batch (or one per mini-batch with
+``trainer.mini_batch_size``): micro-batches (of ``micro_batch_size`` rows, or by token budget:
+:mod:`milehpc.train.micro_batches`) with gradient accumulation (DDP syncs only on the last), clipping, AdamW, an LR
+schedule. The logprobs and entropy that the metrics report come from the very forward pass that the loss uses
+(:meth:`TorchTrainer.forward`), so the train–inference comparison measures what the loss sees. A frozen reference
+copy (KL) and a critic (PPO+GAE) are built when the algorithm asks for them.
 
 With ``[trainer.lora]`` the policy is a peft model over a frozen base (:mod:`milehpc.train.lora`): the optimizer, the
 checkpoint and the weight sync hold the adapter alone; the SFT warm-up trains the adapter too, so the base stays
@@ -25,6 +26,7 @@ from milehpc.builtin.trainers import TORCH_TRAINER_OPTIONS
 from milehpc.faults import maybe_fail
 from milehpc.models import engine_moe_layout, moe_names
 from milehpc.samples import Sample
+from milehpc.train import micro_batches as cut
 
 if TYPE_CHECKING:
     import torch
@@ -204,6 +206,20 @@ class TorchTrainer:
 
         return to_batch(samples, self.pad_id).to(self.device)
 
+    def micro_batches(self, batch: Batch) -> list[tuple[list[int], Batch]]:
+        """(rows, micro-batch) pairs of ``batch``: ``micro_batch_size`` rows, or bins of the token budget."""
+        tr = self.job.trainer
+        return cut.micro_batches(batch, size=tr.micro_batch_size, max_tokens=tr.max_tokens_per_micro_batch)
+
+    def _rows(self, batch: Batch, fn: Any) -> torch.Tensor:
+        """``[B, R]``: ``fn(micro-batch)`` (``[b, r]``) of every micro-batch, back at its rows."""
+        import torch
+
+        parts = [(rows, fn(mb)) for rows, mb in self.micro_batches(batch)]
+        if not self.job.trainer.max_tokens_per_micro_batch:
+            return torch.cat([p for _, p in parts])  # the plain path: consecutive untrimmed rows, as always
+        return cut.assemble(parts, batch.response_mask)
+
     def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """The policy's logprobs of each sample's response tokens; several adapters: each with its own adapter."""
         if self.adapters:
@@ -223,9 +239,9 @@ class TorchTrainer:
         batch = self._batch(samples)
         out: list[list[float]] = []
         with torch.no_grad():
-            for mb in batch.split(self.job.trainer.micro_batch_size):
-                logp, _ = self.forward(self.module, mb)
-                out += [row[: int(n)] for row, n in zip(logp.tolist(), mb.response_lengths.tolist(), strict=True)]
+            rows = self._rows(batch, lambda mb: self.forward(self.module, mb)[0])
+        for row, n in zip(rows.tolist(), batch.response_lengths.tolist(), strict=True):
+            out.append(row[: int(n)])
         return out
 
     # ---- reference model ---------------------------------------------------
@@ -260,7 +276,7 @@ class TorchTrainer:
         tokens = _all_reduce([batch.num_tokens])[0]
         self.model.train()
         total = 0.0
-        mbs = batch.split(self.job.trainer.micro_batch_size)
+        mbs = [mb for _, mb in self.micro_batches(batch)]
         for i, mb in enumerate(mbs):
             with self._no_sync(self.model, last=i == len(mbs) - 1):
                 logp, _ = self.forward(self.model, mb)
@@ -296,22 +312,22 @@ class TorchTrainer:
             norm = norm.full_tensor()
         return float(norm)
 
-    def _prepare(self, batch: Batch) -> None:
+    def _prepare(self, batch: Batch, *, old_logprobs: bool = False) -> dict[str, float]:
         """No-grad passes before the update: reference logprobs, critic values, then advantages."""
         import torch
 
-        mbs = batch.split(self.job.trainer.micro_batch_size)
         with torch.no_grad():
             if self.ref is not None:
-                batch.ref_logprobs = torch.cat([self.forward(self.ref, mb)[0] for mb in mbs])
+                batch.ref_logprobs = self._rows(batch, lambda mb: self.forward(self.ref, mb)[0])
             if self.teacher is not None:
-                batch.teacher_logprobs = torch.cat([self.forward(self.teacher, mb)[0] for mb in mbs])
+                batch.teacher_logprobs = self._rows(batch, lambda mb: self.forward(self.teacher, mb)[0])
             if self.critic is not None:
-                batch.values = torch.cat([self.values(mb) for mb in mbs])
-            # With one epoch the loss's own forward gives the old logprobs (ratio = 1 exactly, as nothing
-            # changed before the optimizer step); more epochs need them fixed before the first update.
-            if self.algorithm.needs_old_logprobs:
-                batch.old_logprobs = torch.cat([self.forward(self.module, mb)[0] for mb in mbs])
+                batch.values = self._rows(batch, self.values)
+            # With one epoch and one mini-batch the loss's own forward gives the old logprobs (ratio = 1 exactly,
+            # as nothing changed before the optimizer step); more epochs or mini-batches need them fixed before the
+            # first update (PPO's old policy: the one that the whole batch's advantages are for).
+            if self.algorithm.needs_old_logprobs or old_logprobs:
+                batch.old_logprobs = self._rows(batch, lambda mb: self.forward(self.module, mb)[0])
         return self.algorithm.compute_advantages(batch, dp_sum=_dp_sum_tensor if _dist()[1] > 1 else None) or {}
 
     def train_step(self, samples: list[Sample], step: int) -> dict[str, float]:
@@ -331,65 +347,83 @@ class TorchTrainer:
                 out[f"adapter/{a}/sync_bytes"] = float(n)
         return out
 
+    def _mini_batch_count(self, batch: Batch) -> int:
+        """Optimizer steps this train step takes: the job's mini-batches, no more than any DP rank has samples."""
+        count = cut.mini_batch_count(self.job)
+        if count > 1 and self.dp_size > 1:
+            count = min(count, int(-_all_reduce([-float(batch.size)], "max")[0]))
+        return max(1, min(count, batch.size))
+
     def _update(self, samples: list[Sample], optimizer: Any, scheduler: Any) -> dict[str, float]:
-        """One optimizer step of ``optimizer`` (and its ``scheduler``) over ``samples``; the step's metrics."""
+        """One optimizer step of ``optimizer`` (and its ``scheduler``) over ``samples`` per mini-batch and epoch; the
+        step's metrics (means over the mini-batches and epochs)."""
         import torch
 
         t0 = time.perf_counter()
         batch = self._batch(samples)
         self.model.train()
-        adv_metrics = self._prepare(batch)
+        minis = self._mini_batch_count(batch)
+        adv_metrics = self._prepare(batch, old_logprobs=minis > 1)
         t_prepared = time.perf_counter()  # the batch, the no-grad logprob/value passes, the advantages
         t_optim = 0.0
         tokens, seqs = _all_reduce([batch.num_tokens, batch.num_seqs])
         sums: dict[str, float] = {}
         diff_max, diff_sum, diff_n = 0.0, 0.0, 0.0
         grad_norm = 0.0
-        mbs = batch.split(self.job.trainer.micro_batch_size)
-        n_mbs = len(mbs)
-        if self.export_is_collective:
-            # FSDP2 gathers weights in every forward: all ranks must run as many micro-batches (a rank with
-            # fewer repeats its first one with a zero weight).
-            n_mbs = int(_all_reduce([float(len(mbs))], "max")[0])
-        for epoch in range(self.job.algorithm.ppo_epochs):
-            for i in range(n_mbs):
-                mb, scale = (mbs[i], 1.0) if i < len(mbs) else (mbs[0], 0.0)
-                last = i == n_mbs - 1
-                with self._no_sync(self.model, last=last), self._no_sync(self.critic, last=last):
-                    logp, ent = self.forward(self.model, mb, entropy=True)
-                    values = self.values(mb) if self.critic is not None else None
-                    loss, metrics = self.algorithm.loss(logp, mb, entropy=ent, values=values,
-                                                        global_tokens=tokens, global_seqs=seqs,
-                                                        dp_size=self.dp_size)
-                    (loss * scale).backward()
-                if scale == 0.0:
-                    continue
-                add_micro_batch_metrics(sums, metrics, mb.num_tokens / max(tokens / self.dp_size, 1.0),
-                                        self.job.algorithm.ppo_epochs)
-                if epoch == 0 and mb.rollout_logprobs is not None:
-                    # Train–inference mismatch on tokens sampled by the very weights we hold now.
-                    fresh = torch.tensor([s.weight_version == self.version for s in mb.samples],
-                                         dtype=torch.bool, device=self.device)
-                    m = mb.response_mask.bool() & fresh[:, None]
-                    if m.any():
-                        d = (logp.detach() - mb.rollout_logprobs).abs()[m]
-                        diff_max = max(diff_max, float(d.max()))
-                        diff_sum, diff_n = diff_sum + float(d.sum()), diff_n + float(d.numel())
-            if self.dp_size > 1:
-                # A rank whose micro-batches had no tokens (a multi-LoRA stand-in) has no extremes: neutral ones, so
-                # every rank reduces the same keys.
-                sums.update({k: -math.inf if k.endswith("max") else math.inf for k in metrics
-                             if k.endswith(("max", "min")) and k not in sums})
-            t1 = time.perf_counter()
-            grad_norm = self._clip(self.model)
-            maybe_fail("optimizer", self.steps)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if self.critic is not None:
-                critic_norm = self._clip(self.critic)
-                self.critic_opt.step()
-                self.critic_opt.zero_grad(set_to_none=True)
-            t_optim += time.perf_counter() - t1
+        # Per mini-batch: its global counts (what its loss is normalised by) and its micro-batches.
+        steps = []
+        for part in cut.mini_batches(batch, minis):
+            counts = (tokens, seqs) if minis == 1 else _all_reduce([part.num_tokens, part.num_seqs])
+            mbs = [mb for _, mb in self.micro_batches(part)]
+            n_mbs = len(mbs)
+            if self.export_is_collective:
+                # FSDP2 gathers weights in every forward: all ranks must run as many micro-batches (a rank with
+                # fewer repeats its first one with a zero weight).
+                n_mbs = int(_all_reduce([float(len(mbs))], "max")[0])
+            steps.append((counts, mbs, n_mbs))
+        epochs = self.job.algorithm.ppo_epochs
+        for epoch in range(epochs):
+            for (mini_tokens, mini_seqs), mbs, n_mbs in steps:
+                for i in range(n_mbs):
+                    mb, scale = (mbs[i], 1.0) if i < len(mbs) else (mbs[0], 0.0)
+                    last = i == n_mbs - 1
+                    with self._no_sync(self.model, last=last), self._no_sync(self.critic, last=last):
+                        logp, ent = self.forward(self.model, mb, entropy=True)
+                        values = self.values(mb) if self.critic is not None else None
+                        loss, metrics = self.algorithm.loss(logp, mb, entropy=ent, values=values,
+                                                            global_tokens=mini_tokens, global_seqs=mini_seqs,
+                                                            dp_size=self.dp_size)
+                        (loss * scale).backward()
+                    if scale == 0.0:
+                        continue
+                    # Loss shares are of their mini-batch's loss: averaged over the mini-batches (and epochs).
+                    add_micro_batch_metrics(sums, metrics, mb.num_tokens / max(tokens / self.dp_size, 1.0) * minis,
+                                            epochs * minis)
+                    if epoch == 0 and mb.rollout_logprobs is not None:
+                        # Train–inference mismatch on tokens sampled by the very weights we hold now (the first
+                        # mini-batch's alone still hold them).
+                        fresh = torch.tensor([s.weight_version == self.version for s in mb.samples],
+                                             dtype=torch.bool, device=self.device)
+                        m = mb.response_mask.bool() & fresh[:, None]
+                        if m.any() and (minis == 1 or mbs is steps[0][1]):
+                            d = (logp.detach() - mb.rollout_logprobs).abs()[m]
+                            diff_max = max(diff_max, float(d.max()))
+                            diff_sum, diff_n = diff_sum + float(d.sum()), diff_n + float(d.numel())
+                if self.dp_size > 1:
+                    # A rank whose micro-batches had no tokens (a multi-LoRA stand-in) has no extremes: neutral ones,
+                    # so every rank reduces the same keys.
+                    sums.update({k: -math.inf if k.endswith("max") else math.inf for k in metrics
+                                 if k.endswith(("max", "min")) and k not in sums})
+                t1 = time.perf_counter()
+                grad_norm = self._clip(self.model)
+                maybe_fail("optimizer", self.steps)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if self.critic is not None:
+                    critic_norm = self._clip(self.critic)
+                    self.critic_opt.step()
+                    self.critic_opt.zero_grad(set_to_none=True)
+                t_optim += time.perf_counter() - t1
         t_updated = time.perf_counter()
         scheduler.step()
         from milehpc.comm.collectives import combine_rank_metrics

@@ -93,3 +93,12 @@ exec {python} "$@"
 """)
     path.chmod(0o755)
     return path
+
+
+def digit_share(samples: list[Any]) -> list[float]:
+    """A reward that differs within almost every group (the share of digits in the response), so that every step of
+    a tiny untrained model trains and changes the weights: for jobs that check the weights reach the engines."""
+    return [sum(ch.isdigit() for ch in s.response_text) / max(1, len(s.response_text)) for s in samples]
+
+
+digit_share.reward_kind = "batch"  # type: ignore[attr-defined]

@@ -13,6 +13,7 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --gpus-per-node=4
+#SBATCH --account=abc123
 #SBATCH --qos=regular
 #SBATCH --constraint=gpu
 set -eo pipefail
@@ -34,6 +35,7 @@ module load nccl
 
 # Environment of every rank (site values cite the site's user guide; job [env] last).
 export PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS=32
 export NCCL_SOCKET_IFNAME=hsn
 export NCCL_CROSS_NIC=1
 export NCCL_NET_GDR_LEVEL=PHB
@@ -79,6 +81,42 @@ if [ -e "$MILEHPC_RUN_DIR/.milehpc/stop-request" ]; then
     if [ "$rc" -eq 75 ]; then
         echo "milehpc: ranks checkpointed and stopped on request (milehpc stop); resume with: milehpc submit --resume $MILEHPC_RUN_DIR" >&2
         exit 0
+    fi
+fi
+
+# A node that died takes its ranks with it and srun aborts the step without saying which node it was (and Slurm
+# notices only after SlurmdTimeout). One probe step, a task per node, names the nodes whose slurmd starts nothing;
+# the job is then requeued without them and resumes from its last checkpoint.
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 75 ] && [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
+    live=$(timeout 120 srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
+        --overlap --mpi=none --kill-on-bad-exit=0 printenv SLURMD_NODENAME 2>/dev/null) || true
+    dead=$(comm -23 <(scontrol show hostnames "$SLURM_JOB_NODELIST" | sort) <(sort -u <<<"$live") | paste -sd, -)
+    # A job Slurm itself is ending (scancel, or a node it already marked down: NODE_FAIL, requeued by Slurm) starts
+    # no task anywhere: that says nothing about the nodes.
+    state=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | head -n 1) || state=""
+    if [ -n "$dead" ] && [ "$state" = "JobState=RUNNING" ]; then
+        restarts="${SLURM_RESTART_COUNT:-0}"
+        echo "milehpc: node(s) $dead of job $SLURM_JOB_ID died (their slurmd starts no task): the step ended with status $rc" >&2
+        if [ "$restarts" -lt 3 ]; then
+            old=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'ExcNodeList=[^ ]*' | head -n 1) || old=""
+            old=${old#ExcNodeList=}
+            exclude=$dead
+            if [ -n "$old" ] && [ "$old" != "(null)" ]; then exclude="$old,$dead"; fi
+            # ExcNodeList can change only once the job is pending again: requeue first (this shell outlives the
+            # requeue's TERM, which it traps, by KillWait), then exclude.
+            if scontrol requeue "$SLURM_JOB_ID"; then
+                for _ in $(seq 20); do
+                    if scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$exclude" 2>/dev/null; then
+                        echo "milehpc: requeued without $exclude (restart $((restarts + 1)) of 3); it resumes from its last checkpoint" >&2
+                        exit 0
+                    fi
+                    sleep 0.5 || true  # the requeue TERMs this step's processes: a killed sleep must not end the shell (set -e)
+                done
+                echo "milehpc: requeued, but Slurm refused to exclude $exclude" >&2
+                exit 0
+            fi
+        fi
+        echo "milehpc: not requeued (restart $restarts of 3); resume with: milehpc submit --resume $MILEHPC_RUN_DIR --set 'site.access.options=[\"--exclude=$dead\"]'" >&2
     fi
 fi
 

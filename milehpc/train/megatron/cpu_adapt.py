@@ -20,7 +20,9 @@ tensor's intended device and :mod:`milehpc.comm.devcheck` fails such a collectiv
 :func:`apply` does all of this once per process and only when ``torch.cuda.is_available()`` is False; it is never
 applied on GPU runs. Cost (shared notes): ~20% on a tiny model, since the function mode sees every torch call.
 Not adapted, chosen around instead: the MoE ``alltoall`` token dispatcher (CUDA streams; the model picks
-``allgather`` on CPU), sequence and context parallelism (need TE/Apex), and the fused kernels (config turns them off).
+``allgather`` on CPU), context parallelism (needs TE's attention; the job rules refuse it), and the fused kernels
+(config turns them off). Sequence parallelism runs: gloo has the all-gather and reduce-scatter into tensors it uses,
+and the local spec's norm, which refuses it, is replaced (:class:`.model.SequenceParallelRMSNorm`).
 """
 
 from __future__ import annotations

@@ -180,6 +180,20 @@ def transformer_config(
         pipeline_dtype=dtype,
         init_method_std=float(opts.get("init_std", 0.02)),
     )
+    # Issue 33 item 3: activation recomputation (full: every layer's input kept, the layer recomputed in backward;
+    # selective: the core attention alone, Megatron's default module) and sequence parallelism over the TP group.
+    if trainer.recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif trainer.recompute == "selective":
+        kw.update(recompute_granularity="selective")
+    if trainer.sequence_parallel:
+        kw.update(sequence_parallel=True)
+    if trainer.vpp > 1:  # interleaved 1F1B over the PP rank's model chunks (milehpc.train.megatron.chunks)
+        # Unbatched p2p: with the chunks' ring, a PP rank's previous and next ranks can be the same one (PP = 2), and
+        # a batch of isend/irecv to one peer pairs by posting order, which mixed activations and gradients on gloo
+        # (measured: M > PP micro-batches gave wrong gradients); the unbatched ops order sends and receives by rank
+        # parity, over two groups when PP = 2.
+        kw.update(virtual_pipeline_model_parallel_size=trainer.vpp, batch_p2p_comm=False)
     if trainer.precision == "fp8":
         from milehpc.config.precision import megatron_fp8_format
 
@@ -240,7 +254,23 @@ def use_transformer_engine(trainer: TrainerSpec) -> bool:
     return te_spec_choice(trainer, cuda=cuda, have_te=have_te)
 
 
-def layer_spec(arch: Arch, *, te: bool) -> Any:
+class SequenceParallelRMSNorm:
+    """torch's RMSNorm for the local spec under sequence parallelism, where megatron-core's ``WrappedTorchNorm`` refuses
+    (``assert not config.sequence_parallel``; Apex's and TE's norms are what it expects). A norm is per token, so a rank
+    normalising its slice of the sequence computes exactly its part; its weight then sees only that slice's gradient,
+    and the ``sequence_parallel`` mark makes ``finalize_model_grads`` sum it over the TP group (what TE's and Apex's
+    norms mark)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
+        import torch
+
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def layer_spec(arch: Arch, *, te: bool, sequence_parallel: bool = False) -> Any:
     if te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -248,17 +278,40 @@ def layer_spec(arch: Arch, *, te: bool) -> Any:
                                                           qk_layernorm=arch.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(num_experts=arch.num_experts or None, normalization="RMSNorm",
+    spec = get_gpt_layer_local_spec(num_experts=arch.num_experts or None, normalization="RMSNorm",
                                     qk_layernorm=arch.qk_norm)
+    if sequence_parallel:
+        sub = spec.submodules
+        sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelRMSNorm
+        if arch.qk_norm:
+            attn = sub.self_attention.submodules
+            attn.q_layernorm = attn.k_layernorm = SequenceParallelRMSNorm
+    return spec
+
+
+def block_spec(arch: Arch, config: Any, *, te: bool, vp_stage: int | None = None) -> Any:
+    """The transformer layer spec, or under sequence parallelism on the local spec the whole block's (its final norm
+    too is :class:`SequenceParallelRMSNorm`) for virtual stage ``vp_stage``."""
+    spec = layer_spec(arch, te=te, sequence_parallel=bool(config.sequence_parallel))
+    if te or not config.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt(arch: Arch, config: Any, *, tp: int, te: bool = False, pre_process: bool | None = None,
               post_process: bool | None = None, share_embeddings: bool | None = None, keep_rng: bool = False,
-              ) -> Any:
+              vp_stage: int | None = None) -> Any:
     """This pipeline stage's GPTModel (parallel_state must be initialised). Logits stay vocab-parallel.
     ``share_embeddings`` defaults to the HF config's tied embeddings; ``keep_rng`` leaves the process's and
     Megatron's RNG streams as they were (a second model built after the policy, whose weights are loaded anyway,
-    must not change what the policy's run draws next)."""
+    must not change what the policy's run draws next). ``vp_stage``: the model chunk of that virtual stage
+    (``trainer.vpp``), with the first/last stage's ends only where the virtual stage is the first/last."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -270,7 +323,7 @@ def build_gpt(arch: Arch, config: Any, *, tp: int, te: bool = False, pre_process
         states = dict(tracker.get_states())
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             model = build_gpt(arch, config, tp=tp, te=te, pre_process=pre_process, post_process=post_process,
-                              share_embeddings=share_embeddings)
+                              share_embeddings=share_embeddings, vp_stage=vp_stage)
         if states:
             tracker.set_states(states)
         return model
@@ -280,16 +333,19 @@ def build_gpt(arch: Arch, config: Any, *, tp: int, te: bool = False, pre_process
         RouterReplay.clear_global_router_replay_instances()  # the registry is per process; one model per trainer
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, te=te),
+        transformer_layer_spec=block_spec(arch, config, te=te, vp_stage=vp_stage),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
-        post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        if pre_process is None else pre_process,
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        if post_process is None else post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings if share_embeddings is None else share_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
+        vp_stage=vp_stage,
     )
     if arch.rope_llama3 is not None:
         # GPTModel's own rope_scaling passes only the factor (low/high 1/4, original context 8192 fixed); the same

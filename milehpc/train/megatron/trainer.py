@@ -9,6 +9,12 @@
 * **Step**: Megatron DDP + ``get_megatron_optimizer`` (Adam; the distributed optimizer with
   ``trainer.distributed_optimizer``); micro-batches through Megatron's pipeline schedules (1F1B for PP > 1); the
   algorithm plugin's loss on per-token logprobs computed from the vocab-parallel logits (never gathered).
+* **Mini- and micro-batches** (issue 33, :mod:`milehpc.train.micro_batches`): ``trainer.mini_batch_size`` makes
+  several optimizer steps per rollout batch (old logprobs computed once before the first); with
+  ``trainer.max_tokens_per_micro_batch`` the micro-batches are token bins, each one packed row (as
+  ``trainer.sequence_parallel``, whose packed length the TP group splits). ``trainer.recompute`` and
+  ``sequence_parallel`` are TransformerConfig's (:func:`.model.transformer_config`); ``trainer.vpp`` makes
+  :attr:`module` and :attr:`ddp` :class:`.chunks.Chunks` of the rank's model chunks (interleaved 1F1B).
 * **Batch**: the ranks of one DP replica (its TP x PP ranks) must see the same samples. Whatever the loop hands
   each rank, :meth:`MegatronTrainer._replica_samples` makes it so: identical lists are used as they are, different
   lists (a loop that split the batch over all trainer ranks) are concatenated in rank order.
@@ -55,7 +61,7 @@ _MASKED_LOGIT = -1e9  # padded vocabulary columns (finite: 0 * it stays 0 in the
 
 
 def init_parallel(tp: int, pp: int, ep: int = 1, *, timeout_s: float = 600.0, seed: int = 0, moe: bool = False,
-                  ) -> None:
+                  vpp: int = 1) -> None:
     """Megatron's parallel state from the already-initialised default process group (idempotent)."""
     import warnings
 
@@ -79,14 +85,15 @@ def init_parallel(tp: int, pp: int, ep: int = 1, *, timeout_s: float = 600.0, se
         raise RuntimeError(f"megatron trainer: trainer world size {world} is not a multiple of tp*pp={tp * pp}")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_expert_model_parallel_world_size())
-        if have == (tp, pp, ep):
+                ps.get_expert_model_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+        if have == (tp, pp, ep, vpp):
             return
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         # Experts whole on each rank (EP splits them; TP does not), which keeps conversion simple.
         expert_tensor_parallel_size=1 if moe else None,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -161,8 +168,13 @@ class MegatronTrainer:
                 raise ConfigError(f"expected trainer.ep to divide the checkpoint's {self.arch.num_experts} experts, "
                                   f"got {tr.ep}", field="trainer.ep")
         self.replay = bool(tr.options.get("routing_replay", False)) and self.arch.is_moe
+        if tr.vpp > 1 and (self.arch.is_moe or algorithm.needs_ref or algorithm.needs_critic or
+                           algorithm.needs_teacher or tr.lora is not None):
+            # The job rules refuse these on the login node; a checkpoint's config.json can make the model an MoE.
+            raise ConfigError("virtual pipeline stages train a dense policy alone (no KL reference, critic, teacher, "
+                              f"LoRA or experts): expected trainer.vpp = 1, got {tr.vpp}", field="trainer.vpp")
         init_parallel(tr.tp, tr.pp, tr.ep, timeout_s=job.resources.collective_timeout_s, seed=job.run.seed,
-                      moe=self.arch.is_moe)
+                      moe=self.arch.is_moe, vpp=tr.vpp)
         from megatron.core import parallel_state as ps
 
         self.ps = ps
@@ -180,9 +192,17 @@ class MegatronTrainer:
         self.te = mm.use_transformer_engine(tr)
         # The TE spec's attention is causal and reads no mask: feed it packed THD sequences (no padding, as slime
         # does). ``packed`` without ``thd`` runs the same packed rows on the local spec with a block-diagonal mask.
-        self.packed = self.te
+        # Token-budget micro-batches (issue 33) are packed rows too, and so is sequence parallelism (the packed length
+        # is a multiple of the TP size, which splits it).
+        self.packed = self.te or bool(tr.max_tokens_per_micro_batch) or tr.sequence_parallel
         self.thd = self.te
-        self.module = mm.build_gpt(self.arch, self.config, tp=self.tp, te=self.te)
+        if tr.vpp > 1:  # this PP rank's model chunks, one per virtual stage (milehpc.train.megatron.chunks)
+            from milehpc.train.megatron.chunks import Chunks
+
+            self.module: Any = Chunks([mm.build_gpt(self.arch, self.config, tp=self.tp, te=self.te, vp_stage=i)
+                                       for i in range(tr.vpp)])
+        else:
+            self.module = mm.build_gpt(self.arch, self.config, tp=self.tp, te=self.te)
         hf_model = self._load_hf(hf_model)
         # [trainer.lora]: what the adapters need of the HF model, read before it is dropped.
         lora_init = self._lora_init(hf_model) if tr.lora is not None else None
@@ -239,8 +259,11 @@ class MegatronTrainer:
 
             hf_model = build_model(self.job.model, self.vocab_size, seed=self.job.run.seed, pad_id=self.pad_id,
                                    eos_id=self.eos_id)
-        load_hf_weights(self.module, dict(hf_model.state_dict()), self.arch, tp=self.tp,
-                        dtype=self.config.params_dtype)
+        from milehpc.train.megatron.chunks import parts
+
+        weights = dict(hf_model.state_dict())
+        for chunk in parts(self.module):
+            load_hf_weights(chunk, weights, self.arch, tp=self.tp, dtype=self.config.params_dtype)
         return hf_model
 
     def _lora_init(self, hf_model: Any) -> tuple[dict[int, dict[str, list[str]]], dict[str, torch.Tensor]]:
@@ -293,24 +316,29 @@ class MegatronTrainer:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        tr = self.job.trainer
-        if config.bf16:
-            from megatron.core.transformer.module import Float16Module
+        from milehpc.train.megatron.chunks import Chunks, parts
 
-            module = Float16Module(config, module)
-        ddp = DistributedDataParallel(
-            config,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                          use_distributed_optimizer=tr.distributed_optimizer),
-            module,
-        )
+        tr = self.job.trainer
+        wrapped = []
+        for chunk in parts(module):  # virtual pipeline stages: a DDP wrapper (own gradient buffer) per chunk
+            if config.bf16:
+                from megatron.core.transformer.module import Float16Module
+
+                chunk = Float16Module(config, chunk)
+            wrapped.append(DistributedDataParallel(
+                config,
+                DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                              use_distributed_optimizer=tr.distributed_optimizer),
+                chunk,
+            ))
+        ddp = wrapped[0] if len(wrapped) == 1 else Chunks(wrapped)
         config.finalize_model_grads_func = finalize_model_grads
         opt = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=lr, min_lr=min(tr.min_lr, lr), weight_decay=tr.weight_decay,
                             adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
                             clip_grad=tr.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
                             use_distributed_optimizer=tr.distributed_optimizer),
-            [ddp],
+            wrapped,
         )
         return ddp, opt
 
@@ -339,6 +367,40 @@ class MegatronTrainer:
         batch.samples = list(samples)
         return batch
 
+    def _micro_pairs(self, batch: Batch) -> list[tuple[list[int], Batch]]:
+        """(rows, micro-batch) pairs: :meth:`_micro_batches`, or with ``trainer.max_tokens_per_micro_batch`` the token
+        bins (:mod:`milehpc.train.micro_batches`; packed rows, so PP's fixed shape is the step's longest bin)."""
+        import torch
+
+        from milehpc.train import micro_batches as cut
+
+        budget = self.job.trainer.max_tokens_per_micro_batch
+        if not budget:
+            mbs = self._micro_batches(batch)
+            size = mbs[0].size
+            return [(list(range(i * size, (i + 1) * size)), mb) for i, mb in enumerate(mbs)]
+        pairs = cut.micro_batches(batch, size=batch.size, max_tokens=budget)
+        for _, mb in pairs:
+            mb.response_mask = mb.response_mask.to(torch.float32)
+        return pairs + [([], mb) for mb in self._count_padding(len(pairs), pairs[0][1])]
+
+    def _count_padding(self, count: int, like: Batch) -> list[Batch]:
+        """Fully masked micro-batches that bring ``count`` to what the interleaved schedule (``trainer.vpp``) takes:
+        a multiple of the PP size (megatron-core refuses a last group of micro-batches shorter than PP). They add
+        nothing to the loss, its gradients or the metrics (no token); none without virtual stages."""
+        import torch
+
+        if self.job.trainer.vpp == 1:
+            return []
+        extra = -count % self.pp
+        out = []
+        for _ in range(extra):
+            mb = like.select(range(like.size))
+            mb.response_mask = torch.zeros_like(mb.response_mask)
+            mb.samples = [None] * like.size  # type: ignore[list-item]
+            out.append(mb)
+        return out
+
     def _micro_batches(self, batch: Batch) -> list[Batch]:
         """Equal-sized micro-batches (PP sends fixed shapes): the last one is padded with fully masked rows."""
         import torch
@@ -357,7 +419,7 @@ class MegatronTrainer:
         mbs = batch.split(size)
         for mb in mbs:
             mb.response_mask = mb.response_mask.to(torch.float32)
-        return mbs
+        return mbs + self._count_padding(len(mbs), mbs[0])
 
     # ---- forward through the schedule --------------------------------------------------------------------
     def _replay_tensors(self, mb: Batch, pk: packing.Packed | None = None) -> list[torch.Tensor]:
@@ -416,6 +478,7 @@ class MegatronTrainer:
         replay = self.replay and model is self.ddp  # the reference's routers are not in the replay registry
         # One packed length per step: pipeline stages exchange activations of a fixed shape.
         length = max(packing.packed_length(mb.attention_mask) for mb in mbs) if self.packed else 0
+        length = -(-length // self.tp) * self.tp  # sequence parallelism splits the packed row over the TP group
 
         def forward_step(data_iterator: Iterator[Batch], model: Any) -> tuple[Any, Any]:
             mb = next(data_iterator)
@@ -434,9 +497,13 @@ class MegatronTrainer:
             return out, partial(_unpacked_loss, loss_func, mb, pk)
 
         seq, size = (length, 1) if self.packed else (int(mbs[0].input_ids.shape[1]), int(mbs[0].size))
+        from milehpc.train.megatron.chunks import parts
+
+        chunks = parts(model)  # virtual pipeline stages: the interleaved schedule, an iterator per chunk
         fb = get_forward_backward_func()
-        out = fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
-                 num_microbatches=len(mbs), seq_length=seq, micro_batch_size=size, forward_only=forward_only)
+        out = fb(forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1
+                 else iter(mbs), model=chunks, num_microbatches=len(mbs), seq_length=seq, micro_batch_size=size,
+                 forward_only=forward_only)
         if replay:
             from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -491,13 +558,21 @@ class MegatronTrainer:
         policy), forward only, on every PP stage, in the dtype of ``batch.response_mask``."""
         import torch
 
+        width = batch.response_width
+
         def loss_func(mb: Batch, out: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            return out.new_zeros(()), {"rows": rows_of(mb, out).detach().cpu()}
+            rows = rows_of(mb, out).detach().cpu()  # a trimmed micro-batch's are narrower: padded back to R
+            return out.new_zeros(()), {"rows": torch.nn.functional.pad(rows, (0, width - rows.shape[1]))}
 
         (self.ddp if model is None else model).eval()
+        pairs = self._micro_pairs(batch)
         with torch.no_grad():
-            out = self.run_schedule(self._micro_batches(batch), loss_func, forward_only=True, model=model)
+            out = self.run_schedule([mb for _, mb in pairs], loss_func, forward_only=True, model=model)
         rows = self._from_last_stage(torch.cat([o["rows"] for o in out]) if out else None)
+        if self.job.trainer.max_tokens_per_micro_batch:  # the token bins' rows back in the batch's order
+            order = torch.as_tensor([r for rows_, _ in pairs for r in rows_])
+            rows = rows[: len(order)]  # without the padding micro-batches (virtual stages)
+            rows = torch.empty_like(rows).index_copy_(0, order, rows)
         return rows[: batch.size].to(device=batch.response_mask.device, dtype=batch.response_mask.dtype)
 
     def _frozen_logprobs(self, batch: Batch, model: Any, vocab_size: int | None = None) -> torch.Tensor:
@@ -531,7 +606,9 @@ class MegatronTrainer:
             batch.teacher_logprobs = self._frozen_logprobs(batch, self.teacher, self.teacher_vocab)
         if self.critic is not None:
             batch.values = self.critic.values(batch)
-        if self.algorithm.needs_old_logprobs:
+        minis = self._mini_batch_count(batch)
+        # More than one mini-batch: PPO's old policy is the one before the first step (milehpc.train.micro_batches).
+        if self.algorithm.needs_old_logprobs or minis > 1:
             batch.old_logprobs = self._forward_logprobs(batch)
         adv_metrics = self.algorithm.compute_advantages(batch, dp_sum=self._dp_sum_tensor if self.dp_size > 1 else None)
         tokens, seqs = self._dp_sum([batch.num_tokens, batch.num_seqs])
@@ -540,18 +617,25 @@ class MegatronTrainer:
                            min_ratio=tr.min_lr / tr.lr if tr.lr else 0.0)
         for group in self.optimizer.param_groups:
             group["lr"] = tr.lr * factor
-        mbs = self._micro_batches(batch)
-        n_mb = len(mbs)
+        from milehpc.train import micro_batches as cut
+
+        # Per mini-batch: its global counts (what its loss is normalised by) and its micro-batches.
+        steps = []
+        for part in cut.mini_batches(batch, minis):
+            counts = (tokens, seqs) if minis == 1 else tuple(self._dp_sum([part.num_tokens, part.num_seqs]))
+            steps.append((counts, [mb for _, mb in self._micro_pairs(part)]))
         version = self.version
         epochs = self.job.algorithm.ppo_epochs
         first_epoch = True
+        (tokens_now, seqs_now), mbs = steps[0]
+        n_mb = len(mbs)
 
         def loss_func(mb: Batch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
             logp, ent = self._logprobs_of(mb, logits, entropy=True)
             if mb.old_logprobs is None:
                 mb.old_logprobs = logp.detach()
-            loss, metrics = self.algorithm.loss(logp, mb, entropy=ent, global_tokens=tokens, global_seqs=seqs,
-                                                dp_size=self.dp_size)
+            loss, metrics = self.algorithm.loss(logp, mb, entropy=ent, global_tokens=tokens_now,
+                                                global_seqs=seqs_now, dp_size=self.dp_size)
             extra = {"tokens": float(mb.num_tokens)}
             # The train-inference mismatch: of the first epoch (later ones see updated weights), as the torch trainer.
             if first_epoch and mb.rollout_logprobs is not None and mb.samples is not None:
@@ -568,21 +652,23 @@ class MegatronTrainer:
         grad_norm = critic_norm = 0.0
         outs: list[Any] = []  # every epoch's (policy and critic): the metrics are their means over the epochs
         for _epoch in range(epochs):
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            outs += self.run_schedule(mbs, loss_func, forward_only=False)
-            first_epoch = False
-            ok, norm, _ = self.optimizer.step()
-            if not ok:
-                raise RuntimeError("megatron trainer: optimizer step skipped (non-finite gradients)")
-            grad_norm = float(norm or 0.0)
-            if self.critic is not None:
-                critic_norm, critic_outs = self.critic.update(mbs, tokens=tokens, seqs=seqs)
-                outs += critic_outs
+            for (tokens_now, seqs_now), mbs in steps:
+                n_mb = len(mbs)
+                self.ddp.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                outs += self.run_schedule(mbs, loss_func, forward_only=False)
+                first_epoch = False  # the mismatch is of the weights that sampled: the first pass alone
+                ok, norm, _ = self.optimizer.step()
+                if not ok:
+                    raise RuntimeError("megatron trainer: optimizer step skipped (non-finite gradients)")
+                grad_norm = float(norm or 0.0)
+                if self.critic is not None:
+                    critic_norm, critic_outs = self.critic.update(mbs, tokens=tokens_now, seqs=seqs_now)
+                    outs += critic_outs
         self.version += 1
         self.steps += 1
         # The critic's outputs add its metrics and its value term to "loss" (the torch trainer's combined loss).
-        summary = self._from_last_stage(self._summarise(outs, tokens, epochs))
+        summary = self._from_last_stage(self._summarise(outs, tokens, epochs, minis))
         from milehpc.comm.collectives import combine_rank_metrics
 
         # Combined over the DP ranks, as the torch trainer reports them (each rank's are of its share of the batch).
@@ -605,15 +691,26 @@ class MegatronTrainer:
             out["sync/full_model_bytes"] = float(self.full_model_bytes)
         return out
 
-    def _summarise(self, outs: list[Any], tokens: float, epochs: int = 1) -> dict[str, Any]:
-        """The loss metrics of this rank's micro-batches over ``epochs`` epochs, summed like the torch trainer's
+    def _mini_batch_count(self, batch: Batch) -> int:
+        """Optimizer steps this train step takes: the job's mini-batches, no more than any DP rank has samples."""
+        from milehpc.train import micro_batches as cut
+
+        count = cut.mini_batch_count(self.job)
+        if count > 1 and self.dp_size > 1:
+            count = min(count, int(-self._dp_sum([-float(batch.size)], "max")[0]))
+        return max(1, min(count, batch.size))
+
+    def _summarise(self, outs: list[Any], tokens: float, epochs: int = 1, minis: int = 1) -> dict[str, Any]:
+        """The loss metrics of this rank's micro-batches over ``epochs`` epochs and ``minis`` mini-batches (whose loss
+        shares are of their own mini-batch's loss: averaged), summed like the torch trainer's
         (``add_micro_batch_metrics``; last stage, else empty)."""
         from milehpc.algorithms.api import add_micro_batch_metrics
 
         sums: dict[str, float] = {}
         diff = {"diff_max": 0.0, "diff_sum": 0.0, "diff_n": 0.0}
         for o in outs:
-            add_micro_batch_metrics(sums, o["metrics"], o["tokens"] / max(tokens / self.dp_size, 1.0), epochs)
+            add_micro_batch_metrics(sums, o["metrics"], o["tokens"] / max(tokens / self.dp_size, 1.0) * minis,
+                                    epochs * minis)
             diff["diff_max"] = max(diff["diff_max"], o.get("diff_max", 0.0))
             diff["diff_sum"] += o.get("diff_sum", 0.0)
             diff["diff_n"] += o.get("diff_n", 0.0)
@@ -627,12 +724,14 @@ class MegatronTrainer:
             return _SftOptimizer(self.optimizer, lr)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from milehpc.train.megatron.chunks import parts
+
         tr = self.job.trainer
         opt = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1,
                             adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps, clip_grad=tr.clip_grad,
                             bf16=self.config.bf16, params_dtype=self.config.params_dtype),
-            [self.ddp],
+            parts(self.ddp),
         )
         return _SftOptimizer(opt, lr)
 
@@ -681,8 +780,12 @@ class MegatronTrainer:
 
         if self.adapters:
             return self._export_adapter(grads=grads)
+        from milehpc.train.megatron.chunks import parts
+
         layout = moe_layout or engine_moe_layout(self.job.rollout.engine)
-        return self.export_module(self.module, self.arch, moe_layout=layout, grads=grads)
+        # Virtual stages: each chunk's layers under their global indices, one after the other.
+        return [item for chunk in parts(self.module)
+                for item in self.export_module(chunk, self.arch, moe_layout=layout, grads=grads)]
 
     def _export_adapter(self, *, grads: bool) -> list[tuple[str, torch.Tensor]]:
         import torch
