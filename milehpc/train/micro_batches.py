@@ -19,6 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from milehpc.config.job import JobSpec
@@ -29,6 +31,16 @@ def mini_batch_count(job: JobSpec) -> int:
     """Optimizer steps per rollout batch (the job rules checked that ``mini_batch_size`` divides the batch)."""
     mbs = job.trainer.mini_batch_size
     return (job.rollout.prompts_per_step * job.rollout.n_samples) // mbs if mbs else 1
+
+
+def rank_mini_batch_count(job: JobSpec, rows: int, fewest_rows: Callable[[], int] | None) -> int:
+    """Optimizer steps this rank takes over its ``rows`` samples: the job's mini-batches, no more than the DP rank
+    with the fewest samples has (``fewest_rows``: that count over the DP group; None without DP), so that every rank
+    takes the same number of steps."""
+    count = mini_batch_count(job)
+    if count > 1 and fewest_rows is not None:
+        count = min(count, fewest_rows())
+    return max(1, min(count, rows))
 
 
 def split_rows(n: int, parts: int) -> list[range]:

@@ -349,10 +349,8 @@ class TorchTrainer:
 
     def _mini_batch_count(self, batch: Batch) -> int:
         """Optimizer steps this train step takes: the job's mini-batches, no more than any DP rank has samples."""
-        count = cut.mini_batch_count(self.job)
-        if count > 1 and self.dp_size > 1:
-            count = min(count, int(-_all_reduce([-float(batch.size)], "max")[0]))
-        return max(1, min(count, batch.size))
+        fewest = (lambda: int(-_all_reduce([-float(batch.size)], "max")[0])) if self.dp_size > 1 else None
+        return cut.rank_mini_batch_count(self.job, batch.size, fewest)
 
     def _update(self, samples: list[Sample], optimizer: Any, scheduler: Any) -> dict[str, float]:
         """One optimizer step of ``optimizer`` (and its ``scheduler``) over ``samples`` per mini-batch and epoch; the

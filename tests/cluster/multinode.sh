@@ -48,61 +48,31 @@ netns() { echo "milehpc-$PREFIX$1"; }   # its network namespace
 veth() { echo "mhv-$PREFIX$1"; }        # the bridge end of its link
 addr() { echo "$SUBNET.$((10 + $1))"; }
 
-alive() {  # alive PIDFILE EXE-NAME
-    local pid
-    [ -f "$1" ] || return 1
-    pid=$(cat "$1" 2>/dev/null) || return 1
-    [[ "$pid" =~ ^[0-9]+$ ]] && [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$2" ]
-}
+# shellcheck source=tests/cluster/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 write_config() {
     local cpus=64 i nodes gres=""
     nodes="$(host 1)"
     for ((i = 2; i <= NODES; i++)); do nodes+=",$(host "$i")"; done
     [ "$GPUS" -gt 0 ] && gres="Gres=gpu:$GPUS"
-    cat >"$1/slurm.conf" <<EOF
+    {
+        cat <<EOF
 # Written by tests/cluster/multinode.sh -- $NODES namespaced nodes on bridge $BRIDGE ($SUBNET.0/24), state in $DIR
 ClusterName=$NAME
 SlurmctldHost=$CTLD_HOST($SUBNET.1)
 SlurmctldPort=$PORT
 SlurmdPort=$((PORT + 1))
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$MUNGE_SOCKET,cred_expire=30
-StateSaveLocation=$DIR/state/ctld
-SlurmdSpoolDir=$DIR/state/slurmd-%n
-SlurmctldPidFile=$DIR/run/slurmctld.pid
-SlurmdPidFile=$DIR/run/slurmd-%n.pid
-SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/filetxt
-JobCompLoc=$DIR/log/jobcomp.txt
-MinJobAge=3600
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1
-GresTypes=gpu
-JobRequeue=1
-MpiDefault=pmix
-MailProg=/bin/true
+EOF
+        slurm_conf_common
+        cat <<EOF
 # A dead node's slurmd is noticed within SlurmdTimeout (default 300 s; short here, but longer than milehpc's own reaction); a node that registers again is idle.
 SlurmdTimeout=60
 # How long srun and the daemons wait for an answer (default 10 s): the probe of a dead node waits this long.
 MessageTimeout=5
-ReturnToService=2
-KillWait=10
-SlurmdParameters=config_overrides
 NodeName=DEFAULT Sockets=2 CoresPerSocket=32 ThreadsPerCore=1 CPUs=$cpus RealMemory=1000000 $gres Features=gpu,nvme State=UNKNOWN
 EOF
+    } >"$1/slurm.conf"
     for ((i = 1; i <= NODES; i++)); do
         echo "NodeName=$(host "$i") NodeAddr=$(addr "$i")" >>"$1/slurm.conf"
     done

@@ -44,13 +44,8 @@ MUNGE_SOCKET="$DIR/munge/munge.socket.2"
 say() { echo "slurm.sh: $*" >&2; }
 die() { say "error: $*"; exit 1; }
 
-alive() {  # alive PIDFILE EXE-NAME: the pid file names a live process running EXE-NAME
-    local pid
-    [ -f "$1" ] || return 1
-    pid=$(cat "$1" 2>/dev/null) || return 1
-    [[ "$pid" =~ ^[0-9]+$ ]] || return 1
-    [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$2" ]
-}
+# shellcheck source=tests/cluster/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 install_packages() {
     local missing=() p
@@ -75,53 +70,22 @@ write_config() {  # writes slurm.conf + gres.conf into a temp dir, prints its pa
         gpu_files="$DIR/dev/nvidia[0-$((GPUS - 1))]"
     fi
     if want_second; then nodes="$NODE,$NODE2"; fi
-    cat >"$tmp/slurm.conf" <<EOF
+    {
+        cat <<EOF
 # Written by tests/cluster/slurm.sh -- single-host test cluster, state in $DIR
 ClusterName=$NAME
 SlurmctldHost=$NODE(127.0.0.1)
 SlurmctldPort=$PORT
 SlurmdPort=$((PORT + 1))
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# Own munged socket; short credential life so that a requeued job is held only cred_expire+1 s.
-AuthInfo=socket=$MUNGE_SOCKET,cred_expire=30
-StateSaveLocation=$DIR/state/ctld
-SlurmdSpoolDir=$DIR/state/slurmd-%n
-SlurmctldPidFile=$DIR/run/slurmctld.pid
-SlurmdPidFile=$DIR/run/slurmd-%n.pid
-SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-# No cgroups here (containers, no systemd).
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-# No slurmdbd: no accounting (sacct fails), completed jobs stay visible to scontrol for MinJobAge.
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/filetxt
-JobCompLoc=$DIR/log/jobcomp.txt
-MinJobAge=3600
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-# Heterogeneous jobs are started by the backfill pass only: run it every second, not every 30 s.
-SchedulerParameters=bf_interval=1
-GresTypes=gpu
-JobRequeue=1
-MpiDefault=pmix
-MailProg=/bin/true
-ReturnToService=2
-KillWait=10
+EOF
+        slurm_conf_common
+        cat <<EOF
 # Jobs may change the core specialisation (Frontier users pass -S 0 or -S 8).
 AllowSpecResourcesUsage=YES
-# The node declares more CPUs, memory and GPUs than exist.
-SlurmdParameters=config_overrides
 PlugStackConfig=$DIR/etc/plugstack.conf
 NodeName=$NODE NodeAddr=127.0.0.1 Sockets=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS CPUs=$cpus RealMemory=1000000 ${gres} ${spec} Features=$FEATURES State=UNKNOWN
 EOF
+    } >"$tmp/slurm.conf"
     if want_second; then
         echo "NodeName=$NODE2 NodeHostname=$NODE NodeAddr=127.0.0.1 Port=$((PORT + 2)) Sockets=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS CPUs=$cpus RealMemory=1000000 ${gres} ${spec} Features=$FEATURES State=UNKNOWN" >>"$tmp/slurm.conf"
     fi

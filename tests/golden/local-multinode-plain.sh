@@ -83,9 +83,11 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 75 ] && [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ];
         --overlap --mpi=none --kill-on-bad-exit=0 printenv SLURMD_NODENAME 2>/dev/null) || true
     dead=$(comm -23 <(scontrol show hostnames "$SLURM_JOB_NODELIST" | sort) <(sort -u <<<"$live") | paste -sd, -)
     # A job Slurm itself is ending (scancel, or a node it already marked down: NODE_FAIL, requeued by Slurm) starts
-    # no task anywhere: that says nothing about the nodes.
+    # no task anywhere: that says nothing about the nodes. Nor does a probe that failed as a whole (srun refused or
+    # timed out): this shell's own node is alive, so a probe that does not list it names no dead node (excluding
+    # every node would leave the job pending for ever).
     state=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | head -n 1) || state=""
-    if [ -n "$dead" ] && [ "$state" = "JobState=RUNNING" ]; then
+    if [ -n "$dead" ] && [ "$state" = "JobState=RUNNING" ] && [ -n "${SLURMD_NODENAME:-}" ] && grep -qxF -- "$SLURMD_NODENAME" <<<"$live"; then
         restarts="${SLURM_RESTART_COUNT:-0}"
         echo "milehpc: node(s) $dead of job $SLURM_JOB_ID died (their slurmd starts no task): the step ended with status $rc" >&2
         if [ "$restarts" -lt 3 ]; then
@@ -96,17 +98,23 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 75 ] && [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ];
             # ExcNodeList can change only once the job is pending again: requeue first (this shell outlives the
             # requeue's TERM, which it traps, by KillWait), then exclude.
             if scontrol requeue "$SLURM_JOB_ID"; then
-                for _ in $(seq 20); do
-                    if scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$exclude" 2>/dev/null; then
+                # Until Slurm takes the update or ends this shell (KillWait after the requeue): by the clock, since
+                # the requeue's TERM can cut the sleeps short, and a loaded slurmctld can take seconds to turn it.
+                until_s=$((SECONDS + 60))
+                why=""
+                while [ "$SECONDS" -lt "$until_s" ]; do
+                    if why=$(scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$exclude" 2>&1); then
                         echo "milehpc: requeued without $exclude (restart $((restarts + 1)) of 3); it resumes from its last checkpoint" >&2
                         exit 0
                     fi
-                    sleep 0.5 || true  # the requeue TERMs this step's processes: a killed sleep must not end the shell (set -e)
+                    sleep 0.2 || true  # a killed sleep must not end the shell (set -e)
                 done
-                echo "milehpc: requeued, but Slurm refused to exclude $exclude" >&2
+                echo "milehpc: requeued, but Slurm refused to exclude $exclude (${why:-no answer})" >&2
                 exit 0
             fi
         fi
+        # The --set replaces the partition's access.options: keep the ones this job runs with (validated to SLURM_OPT,
+        # no quote or $ among them).
         echo "milehpc: not requeued (restart $restarts of 3); resume with: milehpc submit --resume $MILEHPC_RUN_DIR --set 'site.access.options=[\"--exclude=$dead\"]'" >&2
     fi
 fi

@@ -695,10 +695,8 @@ class MegatronTrainer:
         """Optimizer steps this train step takes: the job's mini-batches, no more than any DP rank has samples."""
         from milehpc.train import micro_batches as cut
 
-        count = cut.mini_batch_count(self.job)
-        if count > 1 and self.dp_size > 1:
-            count = min(count, int(-self._dp_sum([-float(batch.size)], "max")[0]))
-        return max(1, min(count, batch.size))
+        fewest = (lambda: int(-self._dp_sum([-float(batch.size)], "max")[0])) if self.dp_size > 1 else None
+        return cut.rank_mini_batch_count(self.job, batch.size, fewest)
 
     def _summarise(self, outs: list[Any], tokens: float, epochs: int = 1, minis: int = 1) -> dict[str, Any]:
         """The loss metrics of this rank's micro-batches over ``epochs`` epochs and ``minis`` mini-batches (whose loss
