@@ -17,6 +17,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+import harness  # noqa: E402
 from required import unavailable  # noqa: E402
 
 REPO = HERE.parent.parent
@@ -87,21 +88,15 @@ def workdir(name: str) -> Path:
     return path
 
 
-class Cli:
-    """``milehpc`` against the multi-node cluster, with its own record of submissions."""
+class Cli(harness.Cli):
+    """``milehpc`` against the multi-node cluster (the single-node harness's runner, this cluster's environment:
+    the ranks run the real Python, no stand-in), with its own record of submissions."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path) -> None:  # not the parent's: no Python stand-in for the ranks here
         self.env = {**os.environ, "SLURM_CONF": SLURM_CONF, "MILEHPC_STATE_DIR": str(base / "state"),
                     "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}:{HERE.parent}"}
         self.env.pop("MILEHPC_PYTHON", None)
         self.submitted: list[str] = []
-
-    def __call__(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([sys.executable, "-m", "milehpc", *args], capture_output=True, text=True,
-                              env=self.env, timeout=timeout, cwd=REPO)
-        if check and proc.returncode != 0:
-            raise AssertionError(f"milehpc {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-        return proc
 
     def submit(self, job: Path, run_dir: Path, *args: str) -> str:
         out = self("submit", str(job), "--site", SITE, "--run-dir", str(run_dir), "--json", *args)
