@@ -1,5 +1,6 @@
 # Shared by tests/cluster/slurm.sh and tests/cluster/multinode.sh (sourced): the pid-file test and the slurm.conf
-# settings both clusters use. Needs DIR (state directory) and MUNGE_SOCKET set by the caller.
+# settings both clusters use, the wait for idle nodes. Needs DIR (state directory), MUNGE_SOCKET, CONF (slurm.conf)
+# and NAME set, and say/die defined, by the caller.
 
 alive() {  # alive PIDFILE EXE-NAME: the pid file names a live process running EXE-NAME
     local pid
@@ -48,4 +49,21 @@ KillWait=10
 # The nodes declare more CPUs, memory and GPUs than exist.
 SlurmdParameters=config_overrides
 CONF
+}
+
+node_states() {
+    SLURM_CONF="$CONF" timeout 10 sinfo -h -N -o '%N %t' 2>/dev/null | sort -u
+}
+
+wait_idle() {  # wait_idle COUNT: until COUNT nodes are idle (or mix/alloc: jobs of an earlier start still running)
+    local states
+    for _ in $(seq 300); do
+        states=$(node_states || true)
+        if [ "$(grep -cE ' (idle|mix|alloc)$' <<<"$states")" -ge "$1" ]; then
+            say "cluster $NAME up: $(tr '\n' ' ' <<<"$states")(SLURM_CONF=$CONF)"
+            return
+        fi
+        sleep 0.1
+    done
+    die "node(s) not idle after 30 s: ${states:-no answer}; see $DIR/log/slurmctld.log"
 }

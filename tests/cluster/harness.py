@@ -23,21 +23,28 @@ CLUSTER_DIR = os.environ.get("MILEHPC_CLUSTER_DIR", "/tmp/milehpc-cluster")
 SLURM_CONF = f"{CLUSTER_DIR}/etc/slurm.conf"
 
 
-@functools.lru_cache(maxsize=1)
-def _start() -> tuple[bool, str]:
-    status = subprocess.run(["bash", str(SLURM_SH), "status"], capture_output=True, text=True, timeout=60)
+def start_cluster(script: Path, *, timeout: float, not_root: str) -> tuple[bool, str]:
+    """(True, its log) when ``script status`` answers or ``script start`` succeeds; else (False, why)."""
+    status = subprocess.run(["bash", str(script), "status"], capture_output=True, text=True, timeout=60)
     if status.returncode == 0:
         return True, status.stderr
     if os.geteuid() != 0:
-        return False, "the test cluster's daemons run as root and this test session is not root"
+        return False, not_root
+    name = f"tests/cluster/{script.name}"
     try:
-        proc = subprocess.run(["bash", str(SLURM_SH), "start"], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return False, "tests/cluster/slurm.sh start did not finish in 600 s"
+        return False, f"{name} start did not finish in {timeout:.0f} s"
     sys.stderr.write(proc.stderr)  # the CI log shows the cluster starting
     if proc.returncode != 0:
-        return False, f"tests/cluster/slurm.sh start failed: {proc.stderr.strip().splitlines()[-1:]}"
+        return False, f"{name} start failed: {proc.stderr.strip().splitlines()[-1:]}"
     return True, proc.stderr
+
+
+@functools.lru_cache(maxsize=1)
+def _start() -> tuple[bool, str]:
+    return start_cluster(SLURM_SH, timeout=600, not_root="the test cluster's daemons run as root and this test "
+                                                          "session is not root")
 
 
 def ensure_cluster() -> str:

@@ -125,20 +125,6 @@ start_slurmd() {  # start_slurmd I: slurmd inside node I's namespaces, with the 
     die "slurmd of $h did not start; see $DIR/log/slurmd-$h.log"
 }
 
-node_states() { SLURM_CONF="$CONF" timeout 10 sinfo -h -N -o '%N %t' 2>/dev/null | sort -u; }
-
-wait_idle() {  # wait_idle COUNT
-    local states
-    for _ in $(seq 300); do
-        states=$(node_states || true)
-        if [ "$(grep -cE ' (idle|mix|alloc)$' <<<"$states")" -ge "$1" ]; then
-            say "cluster $NAME up: $(tr '\n' ' ' <<<"$states")(SLURM_CONF=$CONF)"
-            return
-        fi
-        sleep 0.1
-    done
-    die "nodes not idle after 30 s: ${states:-no answer}; see $DIR/log/slurmctld.log"
-}
 
 cmd_start() {
     [ "$(id -u)" -eq 0 ] || die "the multi-node cluster makes namespaces and runs its daemons as root; run as root"

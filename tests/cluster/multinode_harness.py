@@ -31,8 +31,8 @@ PREFIX = os.environ.get("MILEHPC_MN_PREFIX", "mn")
 
 @functools.lru_cache(maxsize=1)
 def _start() -> tuple[bool, str]:
-    if subprocess.run(["bash", str(MN_SH), "status"], capture_output=True, timeout=60).returncode == 0:
-        return True, ""
+    return harness.start_cluster(MN_SH, timeout=300, not_root="the multi-node cluster makes network namespaces and "
+                                                              "runs its daemons as root; not root")
     if os.geteuid() != 0:
         return False, "the multi-node cluster makes network namespaces and runs its daemons as root; not root"
     try:

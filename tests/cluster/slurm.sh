@@ -133,24 +133,6 @@ start_daemon() {  # start_daemon NAME PIDFILE ARGV...
     die "$name did not start; see the logs in $DIR/log"
 }
 
-node_states() {
-    SLURM_CONF="$CONF" timeout 10 sinfo -h -N -o '%N %t' 2>/dev/null | sort -u
-}
-
-wait_idle() {
-    local want=1 states
-    if want_second; then want=2; fi
-    for _ in $(seq 300); do
-        states=$(node_states || true)
-        # idle, or mix/alloc when jobs of an earlier start are still running.
-        if [ "$(grep -cE ' (idle|mix|alloc)$' <<<"$states")" -ge "$want" ]; then
-            say "cluster $NAME up: $(tr '\n' ' ' <<<"$states")(SLURM_CONF=$CONF)"
-            return
-        fi
-        sleep 0.1
-    done
-    die "node(s) not idle after 30 s: ${states:-no answer}; see $DIR/log/slurmctld.log"
-}
 
 cmd_start() {
     [ "$(id -u)" -eq 0 ] || die "the test cluster runs its daemons as root; run as root"
@@ -186,7 +168,7 @@ cmd_start() {
         mkdir -p /etc/slurm && ln -s "$CONF" /etc/slurm/slurm.conf
         say "linked /etc/slurm/slurm.conf -> $CONF"
     fi
-    wait_idle
+    if want_second; then wait_idle 2; else wait_idle 1; fi
 }
 
 stop_pid() {  # stop_pid PIDFILE EXE-NAME
