@@ -12,7 +12,8 @@ exists the node goes, and the benchmark measures:
 
 Scenarios: rollout node killed (2-node job), trainer node killed (3-node job, the second trainer rank's node: the first
 holds the batch shell, whose own death Slurm handles after SlurmdTimeout), rollout node cut off the network.
-The elastic mode (the trainer going on with fewer engines) is not built: throughput before/after a shrink is null.
+The elastic mode (the trainer going on with fewer engines) is not built: throughput before/after a shrink is null
+(one MPI world cannot outlive a node here, README "A node that dies": it needs a step per rollout node).
 Last line: one JSON object.
 
     .venv/bin/python bench/multinode.py [--scenarios rollout-kill,trainer-kill,partition]
@@ -111,7 +112,8 @@ def main() -> None:
               f"{res['last_checkpoint_step']}), named {res['named']}, excluded {res['requeued_without']}", flush=True)
         results.append(res)
     print(json.dumps({"scenarios": results, "elastic_shrink": None,
-                      "note": "elastic rollout not implemented: no throughput before/after a shrink"}))
+                      "note": "elastic rollout not implemented (the launcher ends the one MPI world at a node's "
+                              "death; it needs a step per rollout node): no throughput before/after a shrink"}))
 
 
 if __name__ == "__main__":

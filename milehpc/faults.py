@@ -12,7 +12,8 @@ Points, and what STEP counts there:
 * ``commit`` — checkpoint rank 0, after every shard of the checkpoint after STEP steps is written and before
   the manifest is committed (the directory is still a temporary one);
 * ``scheduler`` — an SGLang engine leader, after generating its batch STEP (0-based): its scheduler process is
-  killed instead of the rank, as when a scheduler dies of a kernel fault; the rank lives on and restarts the engine;
+  killed instead of the rank, as when a scheduler dies of a kernel fault; the rank lives on and restarts the engine
+  (a vLLM engine: its process is killed while it generates batch STEP, milehpc.rollout.vllm_engine);
 * ``sync`` — an SGLang engine leader on separate rollout ranks, during the weight sync of version STEP (the
   trainer's broadcast of the first bucket is under way): its scheduler process is killed; the sync is redone;
 * ``eval`` — an SGLang engine leader on separate rollout ranks, as it starts its share of the evaluation after

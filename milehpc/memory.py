@@ -304,8 +304,36 @@ def lora_params(s: Shape, lora: Any) -> tuple[int, int]:
     return adapters + len(whole) * s.vocab * s.hidden, 2 * len(linears) * s.layers + len(whole)
 
 
-def trainer_items(job: JobSpec, s: Shape, *, needs_critic: bool = False, needs_teacher: bool = False) -> tuple[list[Item], list[Item]]:
-    """The items of one trainer rank (and, not counted, the activations with full recomputation)."""
+def largest_tensor(s: Shape, *, tp: int = 1, megatron: bool = False) -> int:
+    """Elements of the largest parameter tensor on a rank: the (padded) embedding / output layer, or an MLP
+    matrix (Megatron's fused fc1 holds gate and up)."""
+    vocab = -(-s.vocab // tp) * tp if megatron else s.vocab
+    ffn = max(s.ffn, s.moe_ffn, s.shared_ffn)
+    return max(vocab // tp * s.hidden, (2 if megatron else 1) * ffn * s.hidden // tp)
+
+
+def step_temporaries(job: JobSpec, s: Shape, *, trained: int, gpu: bool) -> Item | None:
+    """Adam's step makes temporaries as large as the moments it reads (issue 33, bench/realsize.py: 1.1 GB at
+    Qwen2.5-0.5B's shape, more than the activations). torch's AdamW on host tensors takes its per-tensor path:
+    ``(exp_avg_sq.sqrt() / bias_correction2_sqrt)`` holds two copies of the largest tensor's second moment at once;
+    on CUDA its default foreach path holds ``sqrt`` of every second moment (one copy of all of them). Megatron on a
+    GPU steps with a fused Adam (transformer-engine or apex), none; on the CPU it falls back to torch's."""
+    tr = job.trainer
+    megatron = tr.backend == "megatron"
+    moment = 4 if megatron else DTYPE_BYTES[job.model.dtype]
+    if gpu and megatron:
+        return None
+    if gpu:
+        return Item("optimizer step temporaries", trained * moment, "AdamW foreach: sqrt of every second moment")
+    largest = min(trained, largest_tensor(s, tp=tr.tp, megatron=megatron))
+    return Item("optimizer step temporaries", 2 * largest * moment,
+                f"AdamW per tensor: two copies of the largest ({largest:,} elements)")
+
+
+def trainer_items(job: JobSpec, s: Shape, *, needs_critic: bool = False, needs_teacher: bool = False,
+                  gpu: bool = False) -> tuple[list[Item], list[Item]]:
+    """The items of one trainer rank (and, not counted, the activations with full recomputation); ``gpu``: the
+    trainer's tensors are on a GPU (Adam's step temporaries differ)."""
     tr = job.trainer
     megatron = tr.backend == "megatron"
     e = (2 if tr.precision in ("bf16", "fp8") else 4) if megatron else DTYPE_BYTES[job.model.dtype]
@@ -324,6 +352,9 @@ def trainer_items(job: JobSpec, s: Shape, *, needs_critic: bool = False, needs_t
     opt_bytes = trained * (8 + master) // share + 4 * trained_tensors
     items.append(Item("optimizer state", opt_bytes, "Adam moments" + (" + fp32 master" if master else "")
                       + (f", distributed over dp={tr.dp}" if share > 1 else "") + note))
+    temps = step_temporaries(job, s, trained=trained // share, gpu=gpu)
+    if temps is not None:
+        items.append(temps)
     seq = prompt_tokens(job)[0] + job.rollout.max_new_tokens
     tokens = tr.micro_batch_size * seq
     shape = f"micro-batch {tr.micro_batch_size} x {seq} tokens"
@@ -377,8 +408,74 @@ def engine_fraction(job: JobSpec, partition: Partition | None = None) -> float:
     return 0.5 if job.resources.colocate else SGLANG_DEFAULT_FRACTION
 
 
+def sync_buffers(job: JobSpec) -> Item | None:
+    """What a separate rollout rank receives a weight sync into, beside its engine's weights (issue 33,
+    bench/realsize.py: 0.55 GB at Qwen2.5-0.5B's shape, its embedding): SGLang allocates each flattened bucket
+    (every TP scheduler the whole of it), milehpc's broadcast receives a bucket while the engine loads the one before
+    (two buffers, :mod:`milehpc.weights.broadcast`), each released after the sync. None when nothing crosses a wire
+    (colocated) or the adapter alone does (LoRA).
+
+    From the shape's tensor sizes and the bucketing rules in outline (this layer may not import the transport;
+    tests/test_memory.py checks the figure against :func:`milehpc.weights.cost.bucket_sizes`, the real rules)."""
+    if job.resources.colocate or job.trainer.lora is not None:
+        return None
+    from milehpc import plugins
+
+    direct = plugins.lookup("engine", job.rollout.engine).direct_weight_sync
+    s, _ = model_shape(job)
+    sizes = [n * _wire_bytes(job) for n in _tensor_elements(s, stacked=job.rollout.engine != "sglang")]
+    bucket = SYNC_BUCKET_BYTES
+    if direct:  # SGLang: consecutive tensors up to a bucket; a bigger one alone
+        held = [max(max(sizes), min(sum(sizes), bucket))]
+    else:  # milehpc's broadcast: a tensor of at least min(bucket, 1 MiB) alone, the rest packed up to a bucket
+        alone = min(bucket, 1 << 20)
+        packed = sum(n for n in sizes if n < alone)
+        chunks = [bucket] * (packed // bucket) + ([packed % bucket] if packed % bucket else [])
+        held = sorted([n for n in sizes if n >= alone] + chunks, reverse=True)[:2]
+    return Item("weight-sync buffers", sum(held), "the largest bucket" + ("" if direct else "s, two at once")
+                + " (during a sync)")
+
+
+# milehpc.weights.broadcast.DEFAULT_BUCKET_BYTES (a test keeps them equal)
+SYNC_BUCKET_BYTES = 512 << 20
+
+
+def _wire_bytes(job: JobSpec) -> int:
+    """Bytes per element of what the sync sends: Megatron's bf16 parameters under bf16/fp8, else the model's dtype
+    (:func:`milehpc.weights.cost.wire_dtype`)."""
+    if job.trainer.backend == "megatron" and job.trainer.precision in ("bf16", "fp8"):
+        return 2
+    return DTYPE_BYTES[job.model.dtype]
+
+
+def _tensor_elements(s: Shape, *, stacked: bool) -> list[int]:
+    """Element counts of the tensors a sync sends (a tied output layer is not sent); experts ``stacked`` as
+    transformers holds them, else one tensor per expert and projection (SGLang's checkpoint names)."""
+    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    layer = [q * h, kv * h, kv * h, h * q, h, h]
+    if s.qkv_bias:
+        layer += [q, kv, kv]
+    if s.experts:
+        layer.append(s.experts * h)
+        layer += ([s.experts * 2 * s.moe_ffn * h, s.experts * s.moe_ffn * h] if stacked
+                  else [s.moe_ffn * h] * (3 * s.experts))
+        layer += [s.shared_ffn * h] * 3 + [h] if s.shared_ffn else []
+    else:
+        layer += [s.ffn * h] * 3
+    return [s.vocab * h, *layer * s.layers, h, *([] if s.tied else [s.vocab * h])]
+
+
 def engine_rank(job: JobSpec, s: Shape, partition: Partition, device: int | None) -> RankMemory:
-    """One rollout rank: the engine's weights and its KV cache as the engine sizes it (see the module doc)."""
+    """One rollout rank: the engine's weights and its KV cache as the engine sizes it (see the module doc), and the
+    weight sync's receive buffers."""
+    rank = _engine_rank(job, s, partition, device)
+    buffers = sync_buffers(job)
+    if buffers is not None:
+        rank.items.append(buffers)
+    return rank
+
+
+def _engine_rank(job: JobSpec, s: Shape, partition: Partition, device: int | None) -> RankMemory:
     ro = job.rollout
     g = ro.gpus_per_engine
     weights = engine_weights(s) * _engine_dtype_bytes(job) // g
@@ -474,7 +571,7 @@ def estimate(job: JobSpec, plan: Plan, partition: Partition, *, vocab_size: int 
     cpu = partition.devices.vendor == "none"
     gib = partition.devices.memory_gib
     device = int(gib * GIB) if gib and partition.devices.count else None
-    titems, extra = trainer_items(job, shape, needs_critic=needs_critic, needs_teacher=needs_teacher)
+    titems, extra = trainer_items(job, shape, needs_critic=needs_critic, needs_teacher=needs_teacher, gpu=not cpu)
     notes.append(prompt_tokens(job)[1])
     unknown = CPU_NOTE if cpu else "device memory unknown (site devices.memory_gib)"
     trainer = RankMemory("trainer", titems, device, "device" if device else unknown, extra)

@@ -160,7 +160,14 @@ def _load_model(spec: ModelSpec, dtype: torch.dtype, *, seed: int, value_head: b
     if not path.is_dir():
         raise ConfigError(f"expected a local HF checkpoint folder, got {spec.path!r}", field="model.path")
     # The ranks check the family too: the login node may not have seen the folder.
-    check_family(folder_model_type(path), field="model.path")
+    family = check_family(folder_model_type(path), field="model.path")
+    if family.vision:
+        if value_head:
+            raise ConfigError("expected no critic (a value head) for a vision-language model, got one",
+                              field="algorithm.name")
+        from milehpc.models_vl import load_vl_model
+
+        return load_vl_model(path, dtype)
     if value_head:
         # The checkpoint has no value head: its fresh init is seeded, so every trainer rank (and both
         # trainers) start the critic from the same head.

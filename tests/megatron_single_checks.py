@@ -229,7 +229,7 @@ def _sglang_export_names(tr: Any, job: Any) -> dict[str, Any]:
 
     from milehpc.models import moe_names
 
-    stacked = tr.export_weights(moe_layout="transformers")
+    stacked = list(tr.export_weights(moe_layout="transformers"))
     tr.job = replace(job, rollout=replace(job.rollout, engine="sglang"))
     try:
         default = [n for n, _ in tr.export_weights()]

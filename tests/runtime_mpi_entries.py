@@ -72,7 +72,7 @@ def sync(ctx: Any) -> None:
 
 
 def groups_and_sync(ctx: Any) -> None:
-    _write(ctx, _groups(ctx) | _sync(ctx) | _lora_buckets(ctx) | _slow_member(ctx))
+    _write(ctx, _groups(ctx) | _sync(ctx) | _lora_buckets(ctx) | _streamed(ctx) | _slow_member(ctx))
 
 
 def _groups(ctx: Any) -> dict[str, Any]:
@@ -189,6 +189,51 @@ def _lora_buckets(ctx: Any) -> dict[str, Any]:
         have = dict(got.get(adapter, []))
         equal[str(adapter)] = have.keys() == dict(part).keys() and all(torch.equal(have[n], t) for n, t in part)
     return {"lora_equal": equal}
+
+
+def _streamed(ctx: Any) -> dict[str, Any]:
+    """Issue 33: a lazy export (each tensor made just before it is sent, as Megatron's gathers are) is sent as it
+    comes: the source never holds more of it than the tensor being made, the one before (still named by the
+    loops) and the one on the wire, whatever the model's size; the receivers get it bit-exact."""
+    import weakref
+
+    import torch
+
+    group = ctx.comms.sync_groups.get(0)
+    if group is None:
+        return {}
+    sent = model_tensors(seed=2, layers=20)
+    if not group.is_source:
+        got = {n: t.clone() for n, t in recv_weights_stream_of(group)}
+        return {"streamed_equal": got.keys() == dict(sent).keys()
+                and all(torch.equal(got[n], t) for n, t in sent)}
+    live = [0, 0]  # bytes of the export alive now, the peak
+
+    def gone(n: int) -> None:
+        live[0] -= n
+
+    def export() -> Any:
+        for name, tensor in sent:
+            fresh = tensor.clone()  # a gathered tensor: new memory the exporter must not pile up
+            n = fresh.numel() * fresh.element_size()
+            live[0] += n
+            live[1] = max(live[1], live[0])
+            weakref.finalize(fresh, gone, n)
+            yield name, fresh
+
+    from milehpc.weights.broadcast import send_weights
+
+    stats = send_weights(group, export(), group.version + 1, bucket_bytes=64 * 1024)
+    return {"streamed": {"peak": live[1], "largest": max(t.numel() * t.element_size() for _, t in sent),
+                         "total": sum(t.numel() * t.element_size() for _, t in sent), "buckets": stats.buckets}}
+
+
+def recv_weights_stream_of(group: Any) -> Any:
+    from milehpc.weights.broadcast import recv_weights_stream
+
+    stream = recv_weights_stream(group)
+    yield from stream
+    stream.drain()
 
 
 def _slow_member(ctx: Any) -> dict[str, Any]:

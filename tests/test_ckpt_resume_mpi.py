@@ -37,6 +37,10 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 # USR1 to the resumed run).
 SEED = int(os.environ.get("MILEHPC_RESUME_SEED") or 7)
 INTERRUPTIONS = {"separate-async-partial": 2}  # 1 elsewhere: each interruption costs a launch
+# Every loop mode but plain one-step-off (CI time: three launches): its signal path is the interval-3 case's (the same
+# loop; that checkpoint holds the sent, untrained batch too, and the older weight version besides), and its exact
+# resume is tests/test_ckpt_interrupt_kill.py's separate-one_step_off scenario.
+SIGNALLED = [c for c in CASES if c != "separate-one_step_off"]
 
 
 def _log(run_dir: Path) -> str:
@@ -65,7 +69,7 @@ def _interrupt(run_dir: Path, after: int, signum: int) -> int:
     return int(done["step"])
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", SIGNALLED)
 def test_interrupted_mpi_job_resumes_bitwise_in_every_loop_mode(tmp_path: Path, ckpt_reference, case: str) -> None:
     run_dir = prepare_local(tmp_path, "interrupted", case_toml(case, env={"MILEHPC_TEST_REWARD_DELAY": "0.1"}))
     plan = json.loads((run_dir / "plan.json").read_text())

@@ -1,14 +1,14 @@
 """On the test Slurm cluster: the RL job (1 trainer + 1 rollout rank under `srun --mpi=pmix`, the one-step-off loop
 as in the shipped examples: a generated, untrained batch is in flight at every checkpoint) has a 2-minute time
-limit and `--signal=B:USR1@60`. Slurm signals the batch shell mid-run, the ranks checkpoint and exit 75, the script
+limit and `--signal=B:USR1@75`. Slurm signals the batch shell mid-run, the ranks checkpoint and exit 75, the script
 requeues the job, the restarted job resumes from the checkpoint (again if signalled again) and finishes; the final
 parameters and optimizer state are bitwise equal to an uninterrupted local (mpirun) run of the same job, and every
 step has exactly one metrics record (nothing lost or counted twice over the requeues).
 
 In the first run each step sleeps 3 s in the reward (tests/ckpt_helpers.py), so 24 steps outlast the signal, which
-arrives 30-60 s into the run (Slurm sends it up to one 30 s slurmctld pass before limit - lead;
-tests/cluster/README.md); the 2-minute limit leaves room for a slow start on a loaded machine. Restarted runs do not
-sleep."""
+arrives 15-45 s into the run (Slurm sends it up to one 30 s slurmctld pass before limit - lead;
+tests/cluster/README.md; a signal before the ranks run leaves its request for their first step boundary); the
+2-minute limit leaves room for a slow start on a loaded machine. Restarted runs do not sleep."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import harness  # noqa: E402
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 ONE_STEP_OFF = {"run": 'loop = "one_step_off"'}
-STEPS, DELAY = 24, 3.0  # 72 s of steps: more than the 30-60 s before the signal, so it must requeue
+STEPS, DELAY = 24, 3.0  # 72 s of steps: more than the 15-45 s before the signal, so it must requeue
 
 
 def _wait_releasing_late(job_id: str, *, timeout: float) -> list:
@@ -59,13 +59,13 @@ def _wait_releasing_late(job_id: str, *, timeout: float) -> list:
 
 
 def test_time_limit_signal_checkpoints_requeues_resumes_and_matches_local_run(cli, tmp_path: Path) -> None:
-    extra = "[checkpoint]\nsignal_lead_s = 60\nmax_restarts = 4\nkeep = 2\n"
+    extra = "[checkpoint]\nsignal_lead_s = 75\nmax_restarts = 4\nkeep = 2\n"
     job = tmp_path / "job.toml"
     job.write_text(job_toml(STEPS, add=ONE_STEP_OFF, extra=extra, env={"MILEHPC_TEST_REWARD_DELAY": str(DELAY)},
                             time_limit="00:02:00"))
     run_dir = tmp_path / "run"
     script = cli("render", str(job), "--site", "local-slurm", "--run-dir", str(run_dir)).stdout
-    assert "#SBATCH --signal=B:USR1@60" in script and "#SBATCH --requeue" in script
+    assert "#SBATCH --signal=B:USR1@75" in script and "#SBATCH --requeue" in script
     job_id = cli.submit(job, run_dir)["job_id"]
     # The uninterrupted run (locally, mpirun, no delay) beside it: the Slurm job's ranks mostly sleep in the reward.
     ref_dir = prepare_local(tmp_path, "uninterrupted", job_toml(STEPS, add=ONE_STEP_OFF, extra=extra))

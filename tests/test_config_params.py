@@ -63,7 +63,7 @@ def test_schema_params_are_converted_and_completed() -> None:
     assert out["tolerance"] == 1.0 and isinstance(out["tolerance"], float) and out["extract"] == "auto"
     combine = check_params(plugins.lookup("reward", "combine"), {"rewards": [{"name": "format"}]}, file="j",
                            prefix="reward.params")
-    assert combine == {"rewards": [{"name": "format", "weight": 1.0, "params": {}}]}  # plain tables for the ranks
+    assert combine == {"rewards": [{"name": "format", "weight": 1.0, "params": {}, "gate": ""}]}  # plain tables for the ranks
 
 
 def test_a_plugin_without_a_schema_is_checked_by_its_defaults_types() -> None:

@@ -64,6 +64,10 @@ CASES: dict[str, tuple[dict, dict, str]] = {
     "model_family_is_supported": (
         {"model": {"path": str(UNSUPPORTED_FAMILY)}},
         {"model": {"path": str(CORPUS / "models" / "qwen3")}}, "model.path"),
+    "vision_models_roll_out_on_the_reference_engine": (
+        {"model": {"path": str(CORPUS / "models" / "qwen2_5_vl")}, "rollout": {"engine": "sglang"}},
+        {"model": {"path": str(CORPUS / "models" / "qwen2_5_vl")}, "rollout": {"engine": "reference"}},
+        "rollout.engine"),
     "random_moe_has_an_moe_family": (
         {"model": {"arch": "llama", "num_experts": 4}},
         {"model": {"arch": "qwen3", "num_experts": 4}}, "model.arch"),
@@ -101,6 +105,9 @@ CASES: dict[str, tuple[dict, dict, str]] = {
         {"rollout": {"engine": "sglang", "stop": ["\n\n"]}},
         {"rollout": {"engine": "sglang", "stop": ["\n\n"]}, "model": {"tokenizer": "/ckpt/tokenizer"}},
         "rollout.stop"),
+    "vllm_serves_the_job": (
+        {"rollout": {"engine": "vllm", "top_p": 0.9}},
+        {"rollout": {"engine": "vllm", "top_p": 1.0}}, "rollout.top_p"),
     "routing_replay_needs_moe": (
         {"rollout": {"engine": "sglang", "options": {"return_routed_experts": True}}},
         {"rollout": {"engine": "sglang", "options": {"return_routed_experts": True}}, "model": {"num_experts": 4}},

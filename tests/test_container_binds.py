@@ -209,6 +209,22 @@ def test_job_paths_names_every_path_a_rank_reads_or_writes(tmp_path: Path) -> No
                    "reward.name": (str(tmp_path / "lib"), False), "env.HF_HOME": ("/scratch/hf", True)}
 
 
+def test_job_paths_names_the_reward_models_folders_combines_parts_included(tmp_path: Path) -> None:
+    """A reward model or judge loads from a host folder on the rollout ranks: unbound, a contained rank fails to
+    find it after the queue. So does a module:function part of ``combine``."""
+    (tmp_path / "lib" / "partreward").mkdir(parents=True)
+    (tmp_path / "lib" / "partreward" / "__init__.py").write_text("def score(s):\n    return 0.0\n")
+    job = _job(reward={"name": "combine", "params": {"rewards": [
+        {"name": "format"}, {"name": "partreward:score"},
+        {"name": "judge", "gate": "format", "params": {"path": "/m/judge", "tokenizer": "/m/judge-tok"}}]},
+        "by_source": {"web": {"name": "reward_model", "params": {"path": "/m/rm"}}}})
+    got = {p.field: p.path for p in job_paths(job, "/runs/r", {"PYTHONPATH": str(tmp_path / "lib")})}
+    assert {k: v for k, v in got.items() if k.startswith("reward.")} == {
+        "reward.params.rewards[1].name": str(tmp_path / "lib"),
+        "reward.params.rewards[2].params.path": "/m/judge", "reward.params.rewards[2].params.tokenizer": "/m/judge-tok",
+        "reward.by_source.web.params.path": "/m/rm"}, got
+
+
 def test_auto_binds_bind_each_directory_once_and_nothing_already_bound(tmp_path: Path) -> None:
     for d in ("proj/models/m", "proj/data", "site/shared/tok", "out"):
         (tmp_path / d).mkdir(parents=True)

@@ -8,7 +8,7 @@ import pytest
 
 from milehpc.config.job import DataSpec
 from milehpc.data.source import PromptSource, build_source, read_examples
-from milehpc.data.tasks import addition_task, match_score, reverse_task, sort_task, toy_match
+from milehpc.data.tasks import addition_task, match_score, reverse_task, sort_task, toy_match, toy_permutation
 from milehpc.data.tokenizer import CharTokenizer
 from milehpc.errors import ConfigError, MilehpcError
 from milehpc.samples import Sample, Status
@@ -54,6 +54,14 @@ def test_match_score_exact_and_partial() -> None:
     assert match_score("1234", "12345", partial=0.5) == pytest.approx(0.5 * 4 / 5)
     assert match_score("123456789", "12345", partial=1.0) == pytest.approx(5 / 9)  # padding is not rewarded
     assert toy_match(Sample(prompt_ids=[1], response_text="46", label="46")) == 1.0
+
+
+def test_toy_permutation_checks_the_digits_not_their_order() -> None:
+    def perm(response: str, label: str = "11234") -> float:
+        return toy_permutation(Sample(prompt_ids=[1], response_text=response, label=label))
+
+    assert perm("11234") == perm("43211") == perm(" 21143 ") == 1.0  # any order of the same digits
+    assert perm("1234") == perm("112345") == perm("12234") == perm("") == 0.0  # one dropped, added or changed
 
 
 def _source(tmp_path, rows, **kw):

@@ -30,7 +30,7 @@ def test_doctor_reports_the_installed_gpu_stack_without_importing_it() -> None:
         elif tested is not None:
             assert f"{dist} not installed (tested {tested})" in line
         else:
-            assert dist not in line  # an engine not installed and not pinned (vllm) says nothing
+            assert dist not in line  # a library not installed and not pinned says nothing
 
 
 def test_doctor_gpu_stack_with_installed_versions_faked_names_each_against_its_test(
@@ -46,7 +46,8 @@ def test_doctor_gpu_stack_with_installed_versions_faked_names_each_against_its_t
     assert doctor.findings[0].message == (
         f"torch 2.9.1, megatron-core {tv.TESTED_MEGATRON_CORE} (tested), transformer-engine 2.20.2 (tested "
         f"{tv.TESTED_TRANSFORMER_ENGINE}), sglang not installed (tested {tv.TESTED_GPU_PACKAGES['sglang']}), "
-        f"torch_memory_saver not installed (tested {tv.TESTED_GPU_PACKAGES['torch_memory_saver']}), vllm 0.11.0")
+        f"torch_memory_saver not installed (tested {tv.TESTED_GPU_PACKAGES['torch_memory_saver']}), vllm 0.11.0 "
+        f"(tested {tv.TESTED_VLLM})")
 
 
 def test_doctor_fails_a_job_its_partition_cannot_run(tmp_path: Path) -> None:
@@ -54,8 +55,10 @@ def test_doctor_fails_a_job_its_partition_cannot_run(tmp_path: Path) -> None:
 
     job = tmp_path / "colocated-on-frontier.toml"
     text = (ROOT / "examples" / "frontier-grpo.toml").read_text()
+    # colocated SGLang (which pauses the trainer with torch_memory_saver), in an image of its own that holds it
     job.write_text(text.replace('loop = "one_step_off"', 'loop = "sync"').replace(
-        '[resources]\n', '[resources]\ncolocate = true\n'))
+        '[resources]\n', '[resources]\ncolocate = true\n').replace('engine = "vllm"', 'engine = "sglang"')
+        + '\n[site.containers.apptainer]\nengines = ["sglang"]\n')
     doctor = Doctor("frontier-like", str(job))
     doctor.run()
     fails = [f for f in doctor.findings if f.check == "job-on-site"]

@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoint",),    # login-safe checkpoint library
     ("scheduler",),     # slurm client, submit, sweeps, local launcher
     ("doctor",),        # site checks
+    ("models_vl",),     # vision-language model inputs (pixels come from the caller: no data import)
     ("data", "algorithms", "rewards", "models"),  # peers: prompts, RL maths, rewards, the HF model builder
     ("comm",),          # MPI world, torch.distributed groups, devices, watchdog
     ("rollout",),       # engines

@@ -177,6 +177,22 @@ def test_a_reward_on_the_jobs_own_pythonpath_imports_on_the_login_node(tmp_path:
     assert res.exit_code == 2 and "No module named 'login_check_reward'" in res.stderr, res.output
 
 
+def test_a_reward_models_folder_is_looked_for_before_the_job_queues(tmp_path: Path) -> None:
+    """A judge's (or reward model's) folder, here a part of ``combine``, is read by the rollout ranks: one line
+    naming its field here, not after the queue."""
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    rewards = f"[{{name = 'format'}}, {{name = 'judge', gate = 'format', params = {{path = '{judge}'}}}}]"
+    args = ("plan", str(VALID_JOB), "--site", "local", "--set", "reward.name='combine'",
+            "--set", f"reward.params={{rewards = {rewards}}}")
+    res = _cli(*args)
+    assert res.exit_code == 2 and res.stderr.strip().endswith(
+        f"reward.params.rewards[1].params.path: expected a checkpoint folder with a config.json, got '{judge}'"), \
+        res.output
+    (judge / "config.json").write_text("{}")
+    _ok(_cli(*args))
+
+
 # ---- item 8: the smaller CLI items ----------------------------------------------------------------------------
 
 def test_status_without_jobs_is_no_error(tmp_path: Path) -> None:

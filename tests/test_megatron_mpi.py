@@ -10,8 +10,8 @@ Two launches only (importing megatron, torch and transformers costs seconds per 
   (distillation): same loss, KL, value loss, policy and critic gradients.
 * the RL loop through ``milehpc run --site local``: GRPO + KL with Megatron trainer ranks at PP=2 x DP=2 (4 ranks, the
   distributed optimizer) and the reference engine on a 5th rank; after every weight sync (Megatron -> HF converter, one
-  sync group per pipeline stage) the engine's logprobs match the trainer's (TP=2 in the loop: the resume test in
-  tests/test_megatron_resume_mpi.py and the reshard in tests/test_ckpt_reshard_mpi.py; TP=2 x PP=2 against the torch
+  sync group per pipeline stage) the engine's logprobs match the trainer's (TP=2 in the loop: the reshard and the
+  bit-exact resume in tests/test_ckpt_reshard_mpi.py; TP=2 x PP=2 against the torch
   trainer: the parity launch above); periodic checkpoints go through dist_checkpointing; the
   engine evaluates held-out prompts greedily, and the checkpoint exported with ``milehpc export`` generates the same
   tokens in ``transformers``.
@@ -59,6 +59,10 @@ def test_megatron_logits_match_hf_at_tp2(checks: dict) -> None:
         assert got[f"{arch}_logits_maxdiff"] < 2e-6
         assert got[f"{arch}_logprob_maxdiff"] < 2e-6
         assert got[f"{arch}_entropy_maxdiff"] < 5e-6
+    # Issue 33: the export is lazy, one TP gather per parameter as the sync takes it (2 layers: 10 gathered params);
+    # the old one gathered the whole stage before its first tensor came out.
+    at_first, gathers = got["export_gathers"]
+    assert at_first == 1 and gathers >= 10, got["export_gathers"]
 
 
 def test_model_from_a_local_hf_checkpoint(checks: dict) -> None:

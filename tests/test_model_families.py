@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from family_models import FAMILY_CONFIGS, save_tiny, tiny_config
 
 from milehpc.cli import cli
-from milehpc.config.families import FAMILIES, RANDOM_ARCHS
+from milehpc.config.families import FAMILIES, RANDOM_ARCHS, VISION_FAMILIES
 from milehpc.config.load import job_from_dict
 from milehpc.config.schema import to_dict
 from milehpc.errors import ConfigError
@@ -172,7 +172,8 @@ def test_plan_reads_the_family_from_config_json_and_refuses_an_unsupported_one(t
     result = _plan(tmp_path, bad)
     assert result.exit_code == 2
     line, = result.stderr.strip().splitlines()
-    assert line.endswith(f"model.path: expected a config.json model_type in: {', '.join(sorted(FAMILIES))}; got "
+    known = ", ".join(sorted({**FAMILIES, **VISION_FAMILIES}))
+    assert line.endswith(f"model.path: expected a config.json model_type in: {known}; got "
                          "'gemma2'"), line
     # ... and the ranks, which may see a folder the login node does not, say the same.
     from milehpc.models import build_model

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,51 @@ def test_the_resume_advice_after_a_dead_node_keeps_the_partitions_sbatch_options
     argv = shlex.split(proc.stderr.split("resume with: ", 1)[1])
     assert argv[:5] == ["milehpc", "submit", "--resume", "/runs/x", "--set"], argv
     assert apply_overrides({}, argv[5:]) == {"site": {"access": {"options": [*kept, "--exclude=mn2,mn4"]}}}
+
+
+def _launch_wait_block(tmp_path: Path) -> str:
+    """The rendered job script's wait for the launcher, from the watcher to the status it settles on."""
+    from milehpc.render.script import FAILED_GRACE_S
+
+    script = prepare(str(GOLDEN_JOB), "local-multinode", (), run_dir=str(tmp_path / "run")).script
+    start = script.index('watcher=""')
+    end = script.index("rc=1  # a step ended by the shell failed")
+    block = script[start:script.index("fi\n", end) + 3]
+    assert f"sleep {FAILED_GRACE_S}\n" in block
+    return block.replace(f"sleep {FAILED_GRACE_S}\n", "sleep 0.2\n")  # the grace, shortened for the test
+
+
+@pytest.mark.parametrize("reported", [True, False])
+def test_the_job_script_stops_waiting_for_srun_once_rank_0_reported(tmp_path: Path, reported: bool) -> None:
+    """A launcher that never ends (srun waiting for an unreachable node's step; here a process that exits 0 on the
+    interrupt stands in for it) is ended after the grace once rank 0 marked its report, with a failed status whatever
+    the launcher's own; without the mark the script waits for the launcher, whose own status counts."""
+    from milehpc.render.script import FAILED_FILE
+
+    run = tmp_path / "run"
+    (run / ".milehpc").mkdir(parents=True)
+    mark = f'(sleep 0.3; touch "$MILEHPC_RUN_DIR/{FAILED_FILE}") &\n' if reported else ""
+    # srun, interrupted, may exit 0: the status must still say the step failed
+    stand_in = "import signal, sys, time; signal.signal(signal.SIGINT, lambda *_: sys.exit(0)); time.sleep(8)"
+    launcher = f"{shlex.quote(sys.executable)} -c {shlex.quote(stand_in)}" if reported else "sleep 0.5"
+    body = f"set -eo pipefail\n{launcher} &\nstep=$!\n{mark}{_launch_wait_block(tmp_path)}echo \"rc=$rc\"\n"
+    env = {"PATH": os.environ["PATH"], "MILEHPC_RUN_DIR": str(run), "SLURM_JOB_NUM_NODES": "2"}
+    proc = subprocess.run(["bash", "-c", body], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    rc = int(proc.stdout.split("rc=")[1])
+    ended = "srun still runs (waiting for a node it cannot reach, or for KillWait): ending the step" in proc.stderr
+    if reported:
+        assert ended and rc != 0 and (run / f"{FAILED_FILE}.abandoned").exists(), (rc, proc.stderr)
+    else:
+        assert not ended and rc == 0 and not (run / f"{FAILED_FILE}.abandoned").exists(), (rc, proc.stderr)
+
+
+def test_rank_0_marks_its_report_for_the_job_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from milehpc.render.script import FAILED_FILE
+    from milehpc.runtime import launch
+
+    monkeypatch.setattr(launch, "_failed_marker", tmp_path / FAILED_FILE)
+    launch._say("something broke", 1)  # another rank's line: no mark
+    assert not (tmp_path / FAILED_FILE).exists()
+    launch._say("something broke", 0)
+    assert (tmp_path / FAILED_FILE).exists()

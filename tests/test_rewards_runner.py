@@ -209,7 +209,7 @@ def test_combine_weighted_sum_of_rewards_from_a_job_spec():
     ([{"name": "exact_mach"}], "reward.params.rewards[0].name: unknown reward 'exact_mach'"),
     ([{"name": "format", "params": {"bogus": 1}}], "reward.params.rewards[0].params.bogus: unknown parameter"),
     ([{"name": "format", "weight": "high"}], "reward.params.rewards[0].weight: expected a number"),
-    ([{"nam": "format"}], "reward.params.rewards[0].nam: unknown key (expected one of: name, params, weight)"),
+    ([{"nam": "format"}], "reward.params.rewards[0].nam: unknown key (expected one of: gate, name, params, weight)"),
 ])
 def test_combine_params_are_checked_when_the_spec_is_loaded(rewards, text):
     with pytest.raises((ConfigError, PluginError)) as info:

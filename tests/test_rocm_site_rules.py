@@ -29,9 +29,10 @@ def _plan(job: Path, site: str, *sets: str) -> tuple[int, str]:
     (("trainer.precision='fp8'",), "trainer.precision", "expected 'bf16' or 'fp32' on an AMD partition"),
     (("trainer.options.transformer_engine=true",), "trainer.options.transformer_engine",
      "expected false or unset on an AMD partition"),
-    # colocated, the example's 32 ranks share 16 GCDs: 2 nodes (4 would leave two idle, refused first)
-    (("resources.colocate=true", "run.loop='sync'", "resources.nodes=2"), "resources.colocate",
-     "expected false on an AMD partition"),
+    # colocated, the example's 32 ranks share 16 GCDs: 2 nodes (4 would leave two idle, refused first); SGLang (the
+    # engine that pauses the trainer with torch_memory_saver) with an image of its own (the site's has none)
+    (("resources.colocate=true", "run.loop='sync'", "resources.nodes=2", "rollout.engine='sglang'",
+      "site.containers.apptainer.engines=['sglang']"), "resources.colocate", "expected false on an AMD partition"),
 ])
 def test_rocm_partition_refuses_what_its_container_cannot_run(sets: tuple[str, ...], field: str,
                                                               expected: str) -> None:
@@ -51,8 +52,8 @@ def test_rocm_partition_lets_the_reference_engine_colocate() -> None:
 
 
 def test_frontier_example_plans_on_its_site() -> None:
-    """The frontier example keeps the AMD rules: separate trainer and engines, bf16 on Megatron's local spec (its
-    SGLang engine needs an image built from SGLang's ROCm one: containers/milehpc-rocm.def has no engine yet)."""
+    """The frontier example keeps the AMD rules: separate trainer and engines, bf16 on Megatron's local spec, and the
+    engine its site's image holds (vLLM: containers/milehpc-rocm.def, tests/test_site_engines.py)."""
     code, out = _plan(FRONTIER, "frontier-like")
     assert code == 0, out
 

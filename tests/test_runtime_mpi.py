@@ -125,6 +125,12 @@ def test_split_groups_and_bucketed_sync_pp2(tmp_path: Path) -> None:
     # Issue 30, fault 9: two adapters in more 4 KiB buckets than receive buffers arrive as sent.
     assert out[0]["lora_buckets"] > 2 * 2
     assert out[2]["lora_equal"] == out[3]["lora_equal"] == {"small": True, "wide": True}
+    # Issue 33: a lazy export is sent as it is made: at most 3 of its tensors alive at once on the source (the one
+    # being made, the one before, the one on the wire), not the whole export (the old send listed it all first).
+    streamed = out[0]["streamed"]
+    assert streamed["buckets"] > 10 and streamed["total"] > 10 * streamed["largest"]
+    assert streamed["peak"] <= 3 * streamed["largest"], streamed
+    assert out[2]["streamed_equal"] and out[3]["streamed_equal"]
     # Issue 30, fault 3: broadcasts that waited seconds for their receivers completed under NCCL's wait rules.
     assert all(o["slow_member_check"] for o in out)
     assert out[2]["slow_member"] == out[3]["slow_member"] == {"0": 7.0, "1": 8.0}

@@ -8,14 +8,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from milehpc.comm import devices, net
 from milehpc.errors import ConfigError, PluginError, RuntimeFailure
-from milehpc.weights.broadcast import ALIGN, _pack, _unpack, plan_buckets
+from milehpc.weights.broadcast import ALIGN, plan_buckets, recv_weights_stream, send_weights
 from milehpc.weights.check import compare_named_tensors
 from milehpc.weights.converters import find_converter, identity
 
@@ -95,19 +94,49 @@ def test_bucket_layout_is_aligned_and_bounded() -> None:
     assert len([b for b in buckets if not b.direct]) > 1
 
 
+class _Wire:
+    """One weight-sync group's two channels (MPI headers, backend broadcasts) recorded on the source and replayed
+    on a receiver: the byte layout alone, no processes (tests/test_runtime_mpi.py sends it for real)."""
+
+    def __init__(self) -> None:
+        self.headers: list = []
+        self.sent: list[torch.Tensor] = []
+        self.buffers: list = []
+        self.device, self.stage, self.source, self.ranks, self.rank = torch.device("cpu"), 0, 0, [0, 1], 0
+        self.version, self.comms = -1, self
+
+    @property
+    def is_source(self) -> bool:
+        return self.rank == self.source
+
+    def bcast(self, obj, root, ranks, *, what="", timeout=None):  # noqa: ANN001, ANN201
+        if self.is_source:
+            self.headers.append(obj)
+            return obj
+        return self.headers.pop(0)
+
+    def broadcast(self, buf: torch.Tensor) -> None:
+        if self.is_source:
+            self.sent.append(buf.clone())
+        else:
+            buf.copy_(self.sent.pop(0))
+
+    def wait(self, work, what, timeout=None) -> None:  # noqa: ANN001
+        pass
+
+
 def test_pack_unpack_round_trip_is_bit_exact() -> None:
     named = _mixed()
-    metas, buckets = plan_buckets(named, bucket_bytes=256, direct_bytes=1024)
-    group = SimpleNamespace(buffers=[], device=torch.device("cpu"))
-    tensors = [t for _, t in named]
-    got = {}
-    for bucket in buckets:
-        wire = _pack(bucket, tensors, metas, group).clone()  # what the broadcast would deliver
-        got.update({name: t.clone() for name, t in _unpack(bucket, wire, metas)})
+    wire = _Wire()
+    stats = send_weights(wire, iter(named), 1, bucket_bytes=256, direct_bytes=1024)
+    assert stats.buckets == len(plan_buckets(named, bucket_bytes=256, direct_bytes=1024)[1])
+    assert stats.tensors == len(named) and not wire.buffers  # released after the sync
+    wire.rank = 1
+    got = {name: t.clone() for name, t in recv_weights_stream(wire)}
     for name, want in named:
         assert got[name].dtype == want.dtype and got[name].shape == want.shape
         assert torch.equal(got[name], want), name
-    assert len(group.buffers) <= 2  # two reused pack buffers, no more
+    assert not wire.buffers and not wire.sent and not wire.headers
 
 
 def test_duplicate_names_are_refused() -> None:

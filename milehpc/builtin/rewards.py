@@ -4,6 +4,7 @@ the tasks (``milehpc.builtin.tasks``) and can reuse :mod:`milehpc.rewards.functi
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -87,6 +88,8 @@ class CombinePart:
     name: str = opt(pattern=REWARD_REF, expect="a reward name or module:function")
     weight: float = opt(1.0)
     params: dict[str, Any] = opt({})
+    gate: str = opt("", help="an earlier reward of the list: this one is computed only where that one scored "
+                             "above 0 (e.g. the judge only where the format is right); elsewhere it counts 0")
 
     def validate(self, *, file: str | None, prefix: str) -> None:
         from milehpc import plugins
@@ -107,6 +110,76 @@ class CombineParams:
     def validate(self, *, file: str | None, prefix: str) -> None:
         if not self.rewards:
             raise ConfigError("expected at least one reward, got none", file=file, field=f"{prefix}.rewards")
+        for i, part in enumerate(self.rewards):
+            earlier = [p.name for p in self.rewards[:i]]
+            if part.gate and part.gate not in earlier:
+                raise ConfigError(f"expected an earlier reward of the list ({', '.join(earlier) or 'none'}), got "
+                                  f"{part.gate!r}", file=file, field=f"{prefix}.rewards[{i}].gate")
+
+
+# The model rewards' parameters (milehpc.rewards.model_scorers, milehpc.rollout.judge), declared here for the same
+# reason: checking a job spec must not import torch or transformers.
+TEMPLATE_FIELDS = ("prompt", "response", "label")
+
+
+@dataclass
+class ClassifierParams:
+    path: str = opt(pattern=r".+", expect="a local folder of an HF sequence-classification model",
+                    help="folder that AutoModelForSequenceClassification and AutoTokenizer load")
+    batch_size: int = opt(32, min=1, help="samples per forward pass")
+    chat_template: bool = opt(True, help="score the chat template of [user: prompt, assistant: response] when the "
+                                         "RM's tokenizer has one (else prompt + response as text)")
+    label_index: int = opt(0, min=0, help="the logit read as the score (an RM with one label: 0)")
+    normalize: Literal["none", "sigmoid", "standard"] = opt(
+        "none", help="sigmoid: map the logit to (0, 1); standard: (logit - mean) / std")
+    mean: float = opt(0.0, help="normalize = standard: the RM's mean logit")
+    std: float = opt(1.0, min=1e-12, help="normalize = standard: the RM's logit spread")
+    max_length: int = opt(0, min=0, help="cut longer inputs from the left to this many tokens; 0 = no cut")
+    retries: int = opt(1, min=0, help="a batch whose forward pass fails is tried this many more times, then its "
+                                      "samples fail (never scored 0)")
+    device: str = opt("cpu", pattern=r"cpu|cuda(:\d+)?", expect="cpu, cuda or cuda:N")
+
+
+@dataclass
+class JudgeParams:
+    path: str = opt(pattern=r".+", expect="a local folder of an HF causal LM",
+                    help="the judge model's folder (AutoModelForCausalLM)")
+    tokenizer: str = opt("", help="the judge's tokenizer: a local folder or 'toy'; empty = path")
+    engine: Literal["reference"] = opt("reference", help="the engine the judge generates on, in this process")
+    template: str = opt("{prompt}{response}", help="the judge's prompt; fields {prompt}, {response}, {label}")
+    chat_template: bool = opt(False, help="send the template's text as a user turn through the chat template")
+    answer_pattern: str = opt(r"(-?\d+(?:\.\d+)?)", help="regular expression; its first group (else the whole "
+                                                          "match) of the first match in the judge's answer")
+    answer_map: dict[str, float] = opt({}, help="answer text -> score (e.g. {yes = 1, no = 0}); empty: the answer "
+                                                "is read as a number")
+    scale: float = opt(1.0, help="the score is the answer divided by this (e.g. 10 for a 0-10 grade)")
+    max_new_tokens: int = opt(16, min=1)
+    batch_size: int = opt(32, min=1, help="judge prompts per engine call")
+    retries: int = opt(2, min=0, help="an answer that does not parse is asked again (sampled at "
+                                      "retry_temperature) this many times, then the sample fails (never scored 0)")
+    retry_temperature: float = opt(1.0, min=0.0)
+    seed: int = opt(0, help="the judge's sampling stream")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
+        except ValueError as err:
+            raise ConfigError(f"expected a format string, got {self.template!r} ({err})", file=file,
+                              field=f"{prefix}.template") from None
+        bad = [f for f in fields if f not in TEMPLATE_FIELDS]
+        if bad:
+            known = ", ".join("{" + f + "}" for f in TEMPLATE_FIELDS)
+            raise ConfigError(f"unknown field {{{bad[0]}}} (expected {known})", file=file, field=f"{prefix}.template")
+        if "response" not in fields:
+            raise ConfigError("expected the field {response} in the judge's template", file=file,
+                              field=f"{prefix}.template")
+        try:
+            re.compile(self.answer_pattern)
+        except re.error as err:
+            raise ConfigError(f"expected a regular expression, got {self.answer_pattern!r} ({err})", file=file,
+                              field=f"{prefix}.answer_pattern") from None
+        if self.scale == 0:
+            raise ConfigError("expected a non-zero scale, got 0", file=file, field=f"{prefix}.scale")
 
 
 @hookimpl
@@ -131,4 +204,9 @@ def milehpc_rewards() -> Iterator[RewardFunction]:
     yield RewardFunction(name="code_tests", impl="milehpc.rewards.code_tests:code_tests", schema=CodeTestsParams,
                          description="Python code run against the sample's tests in the sandbox; fraction passed")
     yield RewardFunction(name="combine", impl="milehpc.rewards.api:combine", kind="batch", schema=CombineParams,
-                         description="weighted sum of other rewards: rewards = [{name, weight, params}, ...]")
+                         description="weighted sum of other rewards: rewards = [{name, weight, params, gate}, ...]")
+    yield RewardFunction(name="reward_model", impl="milehpc.rewards.model_scorers:reward_model", kind="batch",
+                         schema=ClassifierParams,
+                         description="a learned classifier RM (AutoModelForSequenceClassification, local folder)")
+    yield RewardFunction(name="judge", impl="milehpc.rollout.judge:judge", kind="batch", schema=JudgeParams,
+                         description="a generative judge on the reference engine: template in, parsed grade out")

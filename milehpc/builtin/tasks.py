@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from milehpc.config.schema import opt
 from milehpc.errors import ConfigError
@@ -44,6 +45,26 @@ class RetryParams:
     partial: float = opt(0.0, min=0.0, max=1.0, help="partial credit of toy_match")
 
 
+@dataclass
+class AgentParams:
+    """``rollout.generator_params`` of the ``agent`` generator (milehpc.rollout.agent)."""
+
+    agent: str = opt("", pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$", expect="'package.module:function'",
+                     help="async def run(client, sample) -> reward | dict | None, with client an openai.AsyncOpenAI")
+    episode_timeout_s: float = opt(120.0, min=0.001, help="an episode running longer is dropped (FAILED)")
+    max_parallel: int = opt(64, min=1, help="episodes run at once on this rank")
+    on_divergence: Literal["drop", "split"] = opt("drop", help="a request that does not extend the recorded "
+                                                  "history: drop the episode, or split it into a new sample")
+    tool_parser: Literal["qwen25", "none"] = opt("qwen25", help="the model family's tool-call format")
+    unix_socket: bool = opt(False, help="serve the endpoint on a Unix socket in the run directory instead of "
+                                        "127.0.0.1")
+
+    def validate(self, *, file: str | None, prefix: str) -> None:
+        if not self.agent:
+            raise ConfigError("expected the agent to run, as 'package.module:function', got none", file=file,
+                              field=f"{prefix}.agent")
+
+
 @hookimpl
 def milehpc_tasks() -> Iterator[Task]:
     yield Task(name="sort", impl="milehpc.data.tasks:sort_task", reward="toy_match", schema=DigitStringParams,
@@ -58,6 +79,8 @@ def milehpc_tasks() -> Iterator[Task]:
 def milehpc_rewards() -> Iterator[RewardFunction]:
     yield RewardFunction(name="toy_match", impl="milehpc.data.tasks:toy_match", schema=ToyMatchParams,
                          description="toy tasks: 1 for the exact answer, else partial x fraction of right positions")
+    yield RewardFunction(name="toy_permutation", impl="milehpc.data.tasks:toy_permutation",
+                         description="toy tasks: 1 if the answer has exactly the label's digits, in any order")
 
 
 @hookimpl
@@ -65,3 +88,6 @@ def milehpc_generators() -> Iterator[Generator]:
     yield Generator(name="toy_retry", impl="milehpc.rollout.multiturn:retry_generator",
                     schema=RetryParams,
                     description="multi-turn toy environment: wrong answers get feedback and another try")
+    yield Generator(name="agent", impl="milehpc.rollout.agent:agent_generator", schema=AgentParams,
+                    description="your OpenAI-client agent (async run(client, sample)) against this rank's "
+                                "endpoint, recorded token-in/token-out")

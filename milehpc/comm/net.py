@@ -3,6 +3,7 @@ seeded by the job id (so co-located jobs on one node do not collide) and checked
 
 from __future__ import annotations
 
+import os
 import socket
 import zlib
 from collections.abc import Mapping
@@ -37,12 +38,40 @@ def host_store(address: str, key: str, world_size: int, timeout: float) -> tuple
     for attempt in range(PORT_TRIES):
         port = seeded_port(key, attempt)
         try:
-            store = TCPStore(address, port, world_size, True, timedelta(seconds=timeout), wait_for_workers=False)
+            fd = listen_on(address, port)
+        except OSError as err:  # address in use
+            last = err
+            continue
+        try:
+            store = TCPStore(address, port, world_size, True, timedelta(seconds=timeout), wait_for_workers=False,
+                             master_listen_fd=fd)
             return store, port
-        except RuntimeError as err:  # DistNetworkError: address in use
+        except RuntimeError as err:  # DistNetworkError
+            os.close(fd)
             last = err
     raise RuntimeFailure(f"no free port for the TCPStore on {address} after {PORT_TRIES} tries from "
                          f"{seeded_port(key)}: {last}")
+
+
+def listen_on(address: str, port: int) -> int:
+    """A listening socket's descriptor on ``address`` only (handed to the TCPStore, which owns it from then on).
+    Given just a host name, torch's TCPStore listens on every interface of the node, where other users can reach
+    it; the store cannot check who connects, so it is kept to the one interface its peers use."""
+    import ipaddress
+
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    if ipaddress.ip_address(sockaddr[0]).is_loopback and address not in ("127.0.0.1", "::1", "localhost"):
+        # A host name this node maps to loopback (/etc/hosts' 127.0.1.1) that peers on other nodes resolve to its
+        # real address: only every interface reaches them (what the store did before).
+        sockaddr = ("::" if family == socket.AF_INET6 else "0.0.0.0", port)
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 def free_port() -> int:

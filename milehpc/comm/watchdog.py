@@ -73,6 +73,7 @@ class Watchdog:
         self.grace = grace
         self.on_failure = on_failure or default_on_failure
         self.failure: str | None = None
+        self.on_report: Callable[[], None] | None = None  # called once rank 0 has printed the failure here
         self.failed_ranks: set[int] = set()
         self.detected_here = False
         self._lock = threading.Lock()
@@ -267,6 +268,8 @@ def default_on_failure(dog: Watchdog) -> None:
     ``os._exit`` skips MPI_Finalize, which would wait for the dead rank."""
     if dog.detected_here or dog.rank == 0:
         report(dog.rank, dog.failure or "failure")
+        if dog.rank == 0 and dog.on_report is not None:
+            dog.on_report()
     dog.settle()  # the launcher ends the others at this exit: not before rank 0 has said what failed
     sys.stdout.flush()
     os._exit(1)

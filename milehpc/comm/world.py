@@ -79,7 +79,7 @@ class WeightSyncGroup:
     store: Any = field(repr=False)
     comms: Comms = field(repr=False)
     version: int = -1  # the last weight version sent (source) or received (rollout)
-    buffers: list[Any] = field(default_factory=list, repr=False)  # two reused byte buffers (weights.py)
+    buffers: list[Any] = field(default_factory=list, repr=False)  # two byte buffers during a sync (weights.broadcast)
 
     @property
     def group_rank(self) -> int:

@@ -30,6 +30,8 @@ class Family:
     # What the Megatron converters and layer spec can express. GLM-4's extra post-attention and post-MLP norms are
     # not in megatron-core's TransformerLayer: the torch trainer (and the engines) run it through transformers.
     megatron: bool = True
+    vision: bool = False  # a vision-language model (milehpc.models_vl): images in the prompts
+
 
 
 def _tf(name: str, prefix: str, **kw: object) -> Family:
@@ -51,25 +53,34 @@ FAMILIES: dict[str, Family] = {
     "glm4": _tf("glm4", "Glm4", megatron=False),
 }
 
+# model_type -> vision-language family (milehpc.models_vl), kept apart from FAMILIES: they load from a folder only
+# (no random [model] table), through transformers' image-text-to-text class, and train with the torch trainer alone.
+# Qwen3-VL is left out: its deepstack vision features are not wired through the engine and trainer here.
+VISION_FAMILIES: dict[str, Family] = {
+    "qwen2_5_vl": Family("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLConfig",
+                         "Qwen2_5_VLForConditionalGeneration", "", megatron=False, vision=True),
+}
+
 # What [model].arch may name: the dense families (num_experts > 0 builds their MoE sibling where they have one).
 RANDOM_ARCHS = ("qwen2", "qwen3", "llama", "mistral")
 
 
 def supported_text() -> str:
-    return ", ".join(sorted(FAMILIES))
+    return ", ".join(sorted({**FAMILIES, **VISION_FAMILIES}))
 
 
 def check_family(model_type: object, *, file: str | None = None, field: str = "model.path") -> Family:
     """The family of ``model_type``, or one ConfigError line naming it and what is supported."""
-    if not isinstance(model_type, str) or model_type not in FAMILIES:
+    family = (FAMILIES.get(model_type) or VISION_FAMILIES.get(model_type)) if isinstance(model_type, str) else None
+    if family is None:
         raise ConfigError(f"expected a config.json model_type in: {supported_text()}; got {model_type!r}",
                           file=file, field=field)
-    return FAMILIES[model_type]
+    return family
 
 
 def check_megatron_family(model_type: str, *, file: str | None = None) -> None:
     """One ConfigError line when the Megatron trainer cannot express ``model_type`` (supported: the torch one)."""
-    if not FAMILIES[model_type].megatron:
+    if not check_family(model_type, file=file).megatron:
         able = ", ".join(sorted(k for k, f in FAMILIES.items() if f.megatron))
         raise ConfigError(f"expected trainer.backend = 'torch' for a {model_type} model (the Megatron trainer takes "
                           f"{able}), got 'megatron'", file=file, field="trainer.backend")

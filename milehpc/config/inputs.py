@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,40 @@ def job_inputs(job: JobSpec) -> list[tuple[str, str, str]]:
         sources += [(f"trainer.lora.adapters.{name}.source", adapter.source),
                     (f"trainer.lora.adapters.{name}.val_source", adapter.val_source)]
     out += [(field, src, "data") for field, src in sources if src and not src.startswith("task:")]
+    return out + reward_model_inputs(job)
+
+
+# The model rewards' parameters that name a host folder, and its kind (milehpc.builtin.rewards: ClassifierParams,
+# JudgeParams): the rollout ranks load them, so they are checked here and bound into a container.
+MODEL_REWARD_FOLDERS = {"reward_model": (("path", "model"),), "judge": (("path", "model"), ("tokenizer", "tokenizer"))}
+
+
+def reward_tables(job: JobSpec) -> Iterator[tuple[str, str, Any]]:
+    """(field naming it, name, params) of every reward the job names, ``combine``'s parts included."""
+    from milehpc.config.job import reward_route
+
+    tables = [("reward.name", job.reward.name, job.reward.params)]
+    for source, route in job.reward.by_source.items():
+        tables.append((f"reward.by_source.{source}", *reward_route(route)))
+    for name, adapter in job.trainer.lora.adapters.items() if job.trainer.lora else ():
+        if adapter.reward != "":
+            tables.append((f"trainer.lora.adapters.{name}.reward", *reward_route(adapter.reward)))
+    for field, name, params in tables:
+        yield field, name, params
+        parts = params.get("rewards") if name == "combine" and isinstance(params, dict) else None
+        for i, part in enumerate(parts if isinstance(parts, list) else []):
+            if isinstance(part, dict) and isinstance(part.get("name"), str):
+                yield f"{field.removesuffix('.name')}.params.rewards[{i}].name", part["name"], part.get("params")
+
+
+def reward_model_inputs(job: JobSpec) -> list[tuple[str, str, str]]:
+    """(field, path, kind) of the folders the job's reward models and judges load (:data:`MODEL_REWARD_FOLDERS`)."""
+    out = []
+    for field, name, params in reward_tables(job):
+        for key, kind in MODEL_REWARD_FOLDERS.get(name, ()):
+            value = params.get(key) if isinstance(params, dict) else None
+            if isinstance(value, str) and value not in ("", "toy"):
+                out.append((f"{field.removesuffix('.name')}.params.{key}", value, kind))
     return out
 
 
@@ -207,13 +242,7 @@ def _arrow_folder_rows(folder: Path, *, file: str | None, field: str) -> list[tu
 
 def _plugin_refs(job: JobSpec) -> list[tuple[str, str]]:
     """(field, 'module:function') of every plugin the job names by import path."""
-    from milehpc.config.job import reward_route
-
-    refs = [("reward.name", job.reward.name)]
-    refs += [(f"reward.by_source.{s}", reward_route(r)[0]) for s, r in job.reward.by_source.items()]
-    for name, adapter in (job.trainer.lora.adapters.items() if job.trainer.lora else ()):
-        refs.append((f"trainer.lora.adapters.{name}.reward", reward_route(adapter.reward)[0] if adapter.reward else ""))
-    return [(field, ref) for field, ref in refs if isinstance(ref, str) and ":" in ref]
+    return [(field, ref) for field, ref, _ in reward_tables(job) if isinstance(ref, str) and ":" in ref]
 
 
 def check_import(ref: str, *, file: str | None, field: str) -> None:

@@ -49,6 +49,8 @@ class ModelSpec:
     moe_top_k: int = opt(2, min=1)
     tie_word_embeddings: bool = opt(False)
     dtype: Literal["float32", "bfloat16", "float16"] = opt("float32")
+    freeze_vision: bool = opt(False, help="a vision-language model: train the LM alone (the vision tower stays as "
+                              "loaded and the weight sync sends the LM only)")
 
     def validate(self, *, file: str | None, prefix: str) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -13,7 +13,7 @@ Every rule has a case in ``tests/test_config_rules.py`` and a file in ``tests/co
 
 :data:`SITE_RULES` hold the job against the partition it runs on: what that partition's GPUs or the container
 shipped for them cannot run (tests/test_rocm_site_rules.py), its time limit and a required account
-(tests/test_site_limits.py).
+(tests/test_site_limits.py), and the rollout engines its container image holds (tests/test_site_engines.py).
 """
 
 from __future__ import annotations
@@ -235,6 +235,32 @@ def model_family_is_supported(job: JobSpec, file: str | None) -> None:
             check_megatron_family(model_type, file=file)
 
 
+# Engines that take image prompts. SGLang 0.5.23 ships Qwen2.5-VL and Qwen3-VL model classes, but its CPU path was
+# not run with them here, and the engine adapter sends token ids alone (no image data): refused until both are done.
+VISION_ENGINES = ("reference",)
+
+
+def vision_models_roll_out_on_the_reference_engine(job: JobSpec, file: str | None) -> None:
+    """model.path × rollout.engine × model.freeze_vision: a vision-language checkpoint (milehpc.config.families
+    VISION_FAMILIES) rolls out on the reference engine, which feeds the images through the model (the Megatron
+    trainer is refused by model_family_is_supported); freeze_vision needs such a model."""
+    from milehpc.config.families import VISION_FAMILIES, folder_model_type
+
+    model_type = folder_model_type(job.model.path) if job.model.path else None
+    if model_type in VISION_FAMILIES and job.rollout.engine not in VISION_ENGINES:
+        raise ConfigError(f"expected rollout.engine = {' or '.join(map(repr, VISION_ENGINES))} for a vision-language "
+                          f"model ({model_type}: images in the prompts), got {job.rollout.engine!r}", file=file,
+                          field="rollout.engine")
+    if model_type in VISION_FAMILIES and job.trainer.dp > 1:
+        # The trainer runs the embedding and the vision tower outside the DDP/FSDP wrapper's forward
+        # (milehpc.models_vl): with more than one data-parallel rank their gradients would not be reduced.
+        raise ConfigError(f"expected trainer.dp = 1 for a vision-language model ({model_type}; data-parallel VL "
+                          f"training is not built yet), got {job.trainer.dp}", file=file, field="trainer.dp")
+    if job.model.freeze_vision and model_type is not None and model_type not in VISION_FAMILIES:
+        raise ConfigError(f"expected model.freeze_vision = false for a {model_type} model (it has no vision tower), "
+                          "got true", file=file, field="model.freeze_vision")
+
+
 def random_moe_has_an_moe_family(job: JobSpec, file: str | None) -> None:
     """model.num_experts × model.arch × model.path: a mixture of experts built from the [model] table is the MoE
     sibling of ``arch`` (Qwen2-MoE, Qwen3-MoE); a checkpoint's own config.json names its family."""
@@ -404,6 +430,14 @@ def sglang_stop_strings_need_a_tokenizer(job: JobSpec, file: str | None) -> None
                           field="rollout.stop")
 
 
+def vllm_serves_the_job(job: JobSpec, file: str | None) -> None:
+    """rollout.engine = 'vllm' × rollout.top_k/top_p × rollout.gpus_per_engine × trainer.lora: what the vLLM engine
+    does not serve yet (milehpc.config.vllm_options.check_job)."""
+    from milehpc.config.vllm_options import check_job
+
+    check_job(job, file)
+
+
 def routing_replay_needs_moe(job: JobSpec, file: str | None) -> None:
     """rollout.engine × rollout.options.return_routed_experts × model.num_experts: SGLang returns routed experts
     of an MoE model only (unset = on for MoE models)."""
@@ -571,11 +605,11 @@ RULES: tuple[Rule, ...] = (
     task_params_fit_the_task, reward_params_fit_the_reward, algorithm_params_fit_the_plugins,
     overlong_buffer_fits_the_response, colocated_runs_sync, stale_samples_need_a_correction, partial_rollouts_keep_their_stale_samples,
     partial_rollouts_need_the_builtin_generation,
-    model_family_is_supported, random_moe_has_an_moe_family, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
+    model_family_is_supported, vision_models_roll_out_on_the_reference_engine, random_moe_has_an_moe_family, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
     megatron_kl_reference_is_the_initial_policy, megatron_moe_needs_tp_1,
     megatron_ep_divides_the_experts, mini_batches_divide_the_batch, megatron_features_fit_the_layout,
     fsdp_trains_the_policy_alone, distillation_needs_a_teacher,
-    sglang_stop_strings_need_a_tokenizer, routing_replay_needs_moe, lora_fits_the_trainer,
+    sglang_stop_strings_need_a_tokenizer, vllm_serves_the_job, routing_replay_needs_moe, lora_fits_the_trainer,
     lora_rolls_out_where_adapters_load, evaluation_needs_validation_prompts, evaluation_sees_synced_weights,
 )
 
@@ -646,6 +680,21 @@ def amd_has_no_colocation(job: JobSpec, partition: Partition, file: str | None) 
                           "GPUs) for rollout.engine = 'sglang', got true", file=file, field="resources.colocate")
 
 
+def engine_is_in_the_container(job: JobSpec, partition: Partition, file: str | None) -> None:
+    """rollout.engine × the partition's containers.RUNTIME.engines (the job runs in an image): an engine the site's
+    image does not hold fails on the node, at the first import, after the job has queued. A site that declares no
+    list is not checked; a job that brings an image with other engines restates the list in its [site] table."""
+    runtime = job.container.runtime
+    platform = partition.containers.get(runtime)
+    if not job.container.image or platform is None or not platform.engines:
+        return
+    if job.rollout.engine not in platform.engines:
+        raise ConfigError(f"expected an engine the site's {runtime} image has (site field containers.{runtime}.engines "
+                          f"= {', '.join(platform.engines)}; an image with other engines: restate the list in the "
+                          f"job's [site.containers.{runtime}] engines), got {job.rollout.engine!r}", file=file,
+                          field="rollout.engine")
+
+
 def time_fits_the_partition(job: JobSpec, partition: Partition, file: str | None) -> None:
     """resources.time × the partition's time_limit: sbatch refuses (or the job pends forever with
     PartitionTimeLimit) a job asking for more time than its partition gives."""
@@ -670,7 +719,7 @@ def required_account_is_set(job: JobSpec, partition: Partition, file: str | None
 
 
 SITE_RULES: tuple[SiteRule, ...] = (mxfp8_needs_sm100, amd_has_no_transformer_engine, amd_has_no_colocation,
-                                    time_fits_the_partition, required_account_is_set)
+                                    engine_is_in_the_container, time_fits_the_partition, required_account_is_set)
 
 
 def check_site_rules(job: JobSpec, partition: Partition, *, file: str | None = None) -> None:

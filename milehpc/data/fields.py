@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from milehpc.data.images import IMAGES_KEY, has_images, split_images
 from milehpc.data.readers import Row
 from milehpc.errors import ConfigError
 
@@ -59,7 +60,10 @@ def to_examples(rows: list[Row], *, file: str, prompt_key: str, label_key: str) 
         if prompt is _MISSING:
             raise ConfigError(f"{where}: no field '{prompt_key}' (data.prompt_key); the row has: "
                               f"{', '.join(sorted(row)) or 'nothing'}", file=file, field="data.prompt_key")
-        if not isinstance(prompt, str) and not is_messages(prompt):
+        images: list[str] = []
+        if has_images(row, prompt):  # verl's images column or image parts: messages + image references
+            prompt, images = split_images(prompt, row.get(IMAGES_KEY), where=where, file=file)
+        elif not isinstance(prompt, str) and not is_messages(prompt):
             raise ConfigError(f"{where}: expected field '{prompt_key}' to be text or chat messages [{{role, content}}]"
                               f", got {type(prompt).__name__}", file=file, field="data.prompt_key")
         label = None
@@ -72,5 +76,7 @@ def to_examples(rows: list[Row], *, file: str, prompt_key: str, label_key: str) 
             k: v for k, v in row.items() if k not in top_keys}
         if "data_source" in row and "data_source" not in meta:
             meta = {**meta, "data_source": row["data_source"]}
+        if images or IMAGES_KEY in meta:  # references, never the bytes (the metadata goes into every dump)
+            meta = {**{k: v for k, v in meta.items() if k != IMAGES_KEY}, **({IMAGES_KEY: images} if images else {})}
         out.append({"prompt": prompt, "label": label, "metadata": meta, "where": where})
     return out

@@ -20,6 +20,7 @@ class Prompt:
     label: Any
     index: int  # position in the stream (cursor value when drawn): unique within a run
     metadata: dict[str, Any] = field(default_factory=dict)
+    raw: Any = None  # the prompt as the file gave it (text or chat messages): what an agent generator starts from
 
 
 def read_examples(path: str | Path, prompt_key: str = "prompt", label_key: str = "label", *,
@@ -66,9 +67,8 @@ class PromptSource:
 
     def peek(self, position: int) -> Prompt:
         ex = self.examples[self._index(position)]
-        text = self.tokenizer.render_prompt(ex["prompt"], chat_template=self.chat_template)
-        ids = self.tokenizer.encode_prompt(ex["prompt"], chat_template=self.chat_template)
-        return Prompt(ids, text, ex.get("label"), position, dict(ex.get("metadata") or {}))
+        ids, text = encode_example(self.tokenizer, ex, chat_template=self.chat_template)
+        return Prompt(ids, text, ex.get("label"), position, dict(ex.get("metadata") or {}), raw=ex["prompt"])
 
     def take(self, k: int) -> list[Prompt]:
         """The next ``k`` prompts; advances the cursor."""
@@ -134,11 +134,33 @@ def fit_tokenizer(examples: list[dict[str, Any]], tokenizer: Any, file: str, max
     if max_tokens <= 0:
         return examples
     kept = [ex for ex in examples
-            if len(tokenizer.encode_prompt(ex["prompt"], chat_template=chat_template)) <= max_tokens]
+            if len(encode_example(tokenizer, ex, chat_template=chat_template)[0]) <= max_tokens]
     if not kept:
         raise ConfigError(f"every one of the {len(examples)} prompts is longer than data.max_prompt_tokens = "
                           f"{max_tokens} tokens", file=file, field="data.max_prompt_tokens")
     return kept
+
+
+def register_images(data_spec: Any) -> None:
+    """Read the images of the job's prompt files (``data.source``, ``data.val_source``) into this process: a rank
+    that never builds the prompt source (a separate trainer rank) then resolves every reference the samples carry.
+    Generated tasks (``task:NAME``) have no files."""
+    for key in ("source", "val_source"):
+        path = getattr(data_spec, key, None)
+        if path and not path.startswith("task:"):
+            read_examples(path, data_spec.prompt_key, data_spec.label_key, field=f"data.{key}")
+
+
+def encode_example(tokenizer: Any, ex: dict[str, Any], *, chat_template: bool) -> tuple[list[int], str]:
+    """(token ids, text as the model sees it) of an example; a prompt with images goes through the model's
+    processor (milehpc.data.images), which widens each image placeholder to the image's token count."""
+    from milehpc.data.images import IMAGES_KEY, encode_prompt
+
+    images = (ex.get("metadata") or {}).get(IMAGES_KEY)
+    if images:
+        return encode_prompt(tokenizer, ex["prompt"], images)
+    return (tokenizer.encode_prompt(ex["prompt"], chat_template=chat_template),
+            tokenizer.render_prompt(ex["prompt"], chat_template=chat_template))
 
 
 def task_reward_name(data_spec: Any) -> str:

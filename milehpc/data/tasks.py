@@ -79,3 +79,9 @@ def match_score(response: str, label: str, partial: float = 0.0) -> float:
 def toy_match(sample: Any, partial: float = 0.0) -> float:
     """The toy tasks' reward (a ``sample`` reward plugin): exact match, with optional partial credit."""
     return match_score(sample.response_text, sample.label, partial)
+
+
+def toy_permutation(sample: Any) -> float:
+    """1.0 when the response uses exactly the label's characters, in any order (a ``sample`` reward plugin): the
+    cheap verifiable half of sort/reverse, e.g. the gate of a reward model that then only judges the order."""
+    return float(sorted(sample.response_text.strip()) == sorted(str(sample.label).strip()))

@@ -63,10 +63,12 @@ def hf_model(hf_config: Any, weights: dict[str, torch.Tensor]) -> Any:
     """The transformers model of ``hf_config`` holding ``weights`` (HF names), built without initialising weights
     that are overwritten anyway (meta device, then the tensors assigned)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    # a vision-language model (a vision_config): its image-text-to-text class, vision tower included
+    auto = AutoModelForImageTextToText if getattr(hf_config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = auto.from_config(hf_config)
     result = model.load_state_dict(weights, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
     missing = [k for k in result.missing_keys if k not in tied]

@@ -38,11 +38,24 @@ def char_tokenizer_as_hf(char: CharTokenizer) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos, unk_token=pad)
 
 
+# A vision-language model's processor (image placeholder expansion, pixels, chat template with image parts): copied
+# as they are, so that AutoProcessor reads the exported folder as the run's.
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
 def write_tokenizer(tokenizer: CharTokenizer | HFTokenizer, out: Path) -> list[str]:
-    """Write ``tokenizer``'s files into ``out``; returns the names written."""
+    """Write ``tokenizer``'s files (and a vision-language model's processor files) into ``out``; returns the names
+    written."""
+    import shutil
+
     before = set(p.name for p in out.iterdir())
     hf = tokenizer.tok if isinstance(tokenizer, HFTokenizer) else char_tokenizer_as_hf(tokenizer)
     hf.save_pretrained(str(out))
+    if isinstance(tokenizer, HFTokenizer):
+        for name in PROCESSOR_FILES:
+            if (src := Path(hf.name_or_path) / name).is_file():
+                shutil.copyfile(src, out / name)
     return sorted(set(p.name for p in out.iterdir()) - before)
 
 

@@ -39,17 +39,6 @@ def _is_file_source(source: str | None) -> bool:
     return bool(source) and not str(source).startswith("task:")
 
 
-def _reward_names(job: Any) -> Iterable[tuple[str, str]]:
-    from milehpc.config.job import reward_route
-
-    yield "reward.name", job.reward.name
-    for source, route in job.reward.by_source.items():
-        yield f"reward.by_source.{source}", reward_route(route)[0]
-    for name, adapter in job.trainer.lora.adapters.items() if job.trainer.lora else ():
-        if adapter.reward != "":
-            yield f"trainer.lora.adapters.{name}.reward", reward_route(adapter.reward)[0]
-
-
 def _module_dir(module: str, search: list[str]) -> str | None:
     """The PYTHONPATH entry (of ``search``) that holds the top-level package of ``module``, found without
     importing it; None when it is not there (then it comes with the container's own Python)."""
@@ -68,6 +57,8 @@ def job_paths(job: Any, run_dir: str, env: dict[str, str] | None = None) -> list
     ``env`` is the environment the ranks get (site and job ``env``): its cache directories are written, and its
     ``PYTHONPATH`` is where a ``module:function`` reward file is looked for (an installed reward module comes with
     the container's Python instead)."""
+    from milehpc.config.inputs import reward_model_inputs, reward_tables
+
     env = dict(env or {})
     out = [JobPath("run.run_dir", _absolute(run_dir), writable=True)]
 
@@ -91,9 +82,11 @@ def job_paths(job: Any, run_dir: str, env: dict[str, str] | None = None) -> list
             add(f"trainer.options.{key}", value)
     add("checkpoint.dir", job.checkpoint.dir, writable=True)
     search = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and "$" not in p]
-    for field, name in _reward_names(job):
+    for field, name, _ in reward_tables(job):
         if name and ":" in name and search:
             add(field, _module_dir(name.split(":", 1)[0], [_absolute(p) for p in search]))
+    for field, value, _ in reward_model_inputs(job):  # a reward model's or judge's folder
+        add(field, value)
     for key, value in sorted(env.items()):
         if _CACHE_NAME.fullmatch(key) and value.startswith(("/", "~")) and "$" not in value:
             add(f"env.{key}", value, writable=True)

@@ -29,6 +29,13 @@ STOP_FILE = ".milehpc/stop-request"
 EXIT_REQUEUE = 75
 # Rank 0 writes this file (relative to the run dir) when the whole launch ended well.
 DONE_FILE = ".milehpc/step-done"
+# Rank 0 writes this file as it reports the job's failure: the batch shell stops waiting for a launcher that still
+# waits for an unreachable node's step (a partition) instead of until Slurm declares the node down.
+FAILED_FILE = ".milehpc/step-failed"
+# Seconds the batch shell still waits for srun after that mark: the other ranks heard rank 0 before it marked and end
+# within the watchdog's grace (2 s); srun itself would wait for Slurm's KillWait (30 s by default) or, for a node it
+# cannot reach, SlurmdTimeout.
+FAILED_GRACE_S = 5
 
 
 @dataclass
@@ -159,5 +166,6 @@ def render_script(inp: ScriptInputs) -> str:
         launch=_launch_argv(inp), container=inp.container_argv,
         forward_case="|".join([*(f"{p}*" for p in FORWARD_PREFIXES), *FORWARD_PATTERNS]), forward_names=sorted({*FORWARD_NAMES, *forward}),
         request_file=REQUEST_FILE, stop_file=STOP_FILE, done_file=DONE_FILE, exit_requeue=EXIT_REQUEUE,
+        failed_file=FAILED_FILE, failed_grace_s=FAILED_GRACE_S,
         max_restarts=job.checkpoint.max_restarts,
     )

@@ -216,16 +216,31 @@ class RewardRunner:
 
 # -- combine: a weighted sum of other rewards ------------------------------------------------------------------
 
-def _components(rewards: list[Any], file: str | None = None) -> list[tuple[str, float, RewardRunner]]:
+@dataclass
+class _Part:
+    """One reward of ``combine``: its key in the result, weight, runner and gate (an earlier part's key, or "")."""
+
+    key: str
+    weight: float
+    runner: RewardRunner
+    gate: str = ""
+
+
+def _components(rewards: list[Any], file: str | None = None) -> list[_Part]:
     from milehpc.config.job import RewardSpec
     from milehpc.errors import MilehpcError
 
-    out = []
+    out: list[_Part] = []
     for i, item in enumerate(rewards):
         where = f"reward.params.rewards[{i}]"
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not set(item) <= {
-                "name", "weight", "params"}:
-            raise ConfigError("expected a table with name, and optionally weight and params", file=file, field=where)
+                "name", "weight", "params", "gate"}:
+            raise ConfigError("expected a table with name, and optionally weight, params and gate", file=file,
+                              field=where)
+        gate = item.get("gate", "")
+        if gate and all(gate != p.runner.name for p in out):
+            raise ConfigError(f"expected an earlier reward of the list, got {gate!r}", file=file,
+                              field=f"{where}.gate")
         weight, params = item.get("weight", 1.0), item.get("params", {})
         if isinstance(weight, bool) or not isinstance(weight, int | float):
             raise ConfigError(f"expected a number, got {weight!r}", file=file, field=f"{where}.weight")
@@ -239,30 +254,47 @@ def _components(rewards: list[Any], file: str | None = None) -> list[tuple[str, 
             # The component's own field (reward.name, reward.params.x) re-rooted under this entry.
             inner = err.field.replace("reward.", f"{where}.", 1) if err.field else where
             raise type(err)(err.message, file=file, field=inner) from None
-        key = item["name"] if all(item["name"] != k for k, _, _ in out) else f"{item['name']}_{i}"
-        out.append((key, float(weight), runner))
+        key = item["name"] if all(item["name"] != p.key for p in out) else f"{item['name']}_{i}"
+        gate_key = next((p.key for p in out if p.runner.name == gate), "")
+        out.append(_Part(key, float(weight), runner, gate_key))
     if not out:
         raise ConfigError("expected at least one reward", file=file, field="reward.params.rewards")
     return out
 
 
 async def combine(samples: Sequence[Sample], *, rewards: list[Any]) -> list[Any]:
-    """A batch reward: ``sum(weight * score)`` of other rewards (each a table ``{name, weight = 1, params = {}}``),
-    e.g. a format bonus plus a correctness score. The result is a dict with the total as ``score`` and each
-    component's score under its name; a sample that any component fails on fails."""
+    """A batch reward: ``sum(weight * score)`` of other rewards (each a table ``{name, weight = 1, params = {},
+    gate = ""}``), e.g. a format bonus plus a correctness score. A part with a ``gate`` (an earlier part's name) is
+    computed only for the samples that part scored above 0 (a judge asked only where the format is right); it
+    counts 0 for the others. The result is a dict with the total as ``score`` and each part's score under its name;
+    a sample that any part computed for it fails on fails."""
     parts = _components(rewards)
-    results = [await runner.compute(samples) for _, _, runner in parts]
+    results: dict[str, list[Any]] = {}
+    for part in parts:
+        if not part.gate:
+            results[part.key] = await part.runner.compute(samples)
+            continue
+        opened = [i for i, v in enumerate(results[part.gate]) if not isinstance(v, BaseException) and _scalar(v) > 0]
+        computed = await part.runner.compute([samples[i] for i in opened])
+        gated: list[Any] = [0.0] * len(samples)  # not asked: the gate's own score already says why
+        for i, value in zip(opened, computed, strict=True):
+            gated[i] = value
+        results[part.key] = gated
     out: list[Any] = []
     for i in range(len(samples)):
-        values = {name: res[i] for (name, _, _), res in zip(parts, results, strict=True)}
+        values = {p.key: results[p.key][i] for p in parts}
         error = next((v for v in values.values() if isinstance(v, BaseException)), None)
         if error is not None:
             out.append(error)
             continue
-        scalars = {name: v["score"] if isinstance(v, dict) else v for name, v in values.items()}
-        total = sum(w * scalars[name] for name, w, _ in parts)
+        scalars = {name: _scalar(v) for name, v in values.items()}
+        total = sum(p.weight * scalars[p.key] for p in parts)
         out.append({"score": total, **scalars})
     return out
+
+
+def _scalar(value: float | dict[str, float]) -> float:
+    return value["score"] if isinstance(value, dict) else value
 
 
 def _validate_combine(params: dict[str, Any], file: str | None = None) -> None:

@@ -25,6 +25,9 @@ class SamplingParams:
     # Multi-LoRA: the adapter of each prompt, one name per prompt (None: the base). SGLang serves them in one batch
     # (each request's lora_path); the reference engine, which holds one merged adapter at a time, groups by adapter.
     adapters: list[str | None] | None = None
+    # Vision-language models: the image references each prompt shows (milehpc.data.images), one list per prompt;
+    # None: text prompts. Engines that cannot take images are refused on the login node (milehpc.config.rules).
+    images: list[list[str]] | None = None
 
 
 def by_adapter(adapters: list[str | None]) -> dict[str | None, list[int]]:

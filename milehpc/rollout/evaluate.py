@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from milehpc.data.adapters import AdapterValidation
+from milehpc.data.images import prompt_images
 from milehpc.rollout.engine import SamplingParams
 from milehpc.samples import ADAPTER_KEY, Sample, Status
 
@@ -183,6 +184,8 @@ class Evaluator:
         with its adapter."""
         if any(ADAPTER_KEY in p.metadata for p in prompts):
             sp = replace(sp, adapters=[p.metadata.get(ADAPTER_KEY) for p in prompts])
+        if (shown := prompt_images(prompts)) is not None:  # a VL model's image prompts (by reference)
+            sp = replace(sp, images=shown)
         if self.generator is not None:
             out = self.generator(engine, prompts, sp, **self.generator_params)
         else:

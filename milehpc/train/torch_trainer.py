@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from milehpc.algorithms.api import add_micro_batch_metrics
 from milehpc.builtin.trainers import TORCH_TRAINER_OPTIONS
+from milehpc.data.images import IMAGES_KEY
 from milehpc.faults import maybe_fail
 from milehpc.models import engine_moe_layout, moe_names
+from milehpc.models_vl import vision_parameter
 from milehpc.samples import Sample
 from milehpc.train import micro_batches as cut
 
@@ -101,6 +103,22 @@ class TorchTrainer:
         self.module = (model if model is not None else
                        build_model(spec, tokenizer.vocab_size, seed=job.run.seed, pad_id=self.pad_id,
                                    eos_id=tokenizer.eos_id)).to(self.device)
+        # A vision-language model: its processor's folder (pixels for the forward); the vision tower frozen with
+        # model.freeze_vision = true (out of the optimizer, and the weight sync sends the LM alone).
+        self.vision_folder: str | None = None
+        self.freeze_vision = False
+        from milehpc.models_vl import is_vision_model
+
+        if is_vision_model(self.module):
+            from milehpc.data.images import tokenizer_folder
+            from milehpc.data.source import register_images
+
+            self.vision_folder = tokenizer_folder(tokenizer)
+            register_images(job.data)  # the samples carry image references: their bytes come from the prompt files
+            self.freeze_vision = bool(spec.freeze_vision)
+            for name, p in self.module.named_parameters():
+                if self.freeze_vision and vision_parameter(name):
+                    p.requires_grad_(False)
         # What a full-model sync would move: the LoRA runs report it beside the adapter's bytes.
         self.full_model_bytes = sum(t.numel() * t.element_size() for t in self.module.state_dict().values())
         self.sync_bytes = 0  # of the last export_weights
@@ -189,8 +207,16 @@ class TorchTrainer:
     # ---- forward (the one code path for loss, metrics and logprob checks) --------------------
     def forward(self, model: Any, batch: Batch, *, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[B, R]`` logprobs of the response tokens (at the rollout temperature) and optionally entropy."""
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       position_ids=batch.position_ids, use_cache=False).logits
+        if self.vision_folder is not None:  # pixels and 3-D positions of the rows' images (milehpc.models_vl)
+            from milehpc.data.images import rows_pixels
+            from milehpc.models_vl import vision_inputs
+
+            shown = rows_pixels(self.vision_folder, [list(s.metadata.get(IMAGES_KEY) or []) for s in batch.samples])
+            kw = vision_inputs(self.module, batch.input_ids, batch.attention_mask, shown)
+            logits = model(input_ids=None, attention_mask=batch.attention_mask, use_cache=False, **kw).logits
+        else:
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           position_ids=batch.position_ids, use_cache=False).logits
         logp = batch.response_logprobs(logits, self.temperature)
         ent = batch.response_entropy(logits, self.temperature) if entropy else None
         return logp, ent
@@ -470,7 +496,14 @@ class TorchTrainer:
         layout = engine_moe_layout(self.job.rollout.engine)
         model_type = getattr(getattr(self.module, "config", None), "model_type", "")
         everywhere = self.job.resources.colocate
+        # A tied lm_head is the embedding again (+27% bytes at Qwen2.5-0.5B's shape): the engines tie it themselves
+        # (the reference engine's model shares one storage; SGLang's load_weights skips it or copies the embedding).
+        tied = bool(getattr(getattr(self.module, "config", None), "tie_word_embeddings", False))
         for name, tensor in named:
+            if tied and name == "lm_head.weight":
+                continue
+            if self.freeze_vision and vision_parameter(name):
+                continue  # the engine's vision tower is the one it loaded, as the trainer's
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor() if everywhere else gather_to_first(tensor)
                 if tensor is None:

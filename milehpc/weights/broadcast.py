@@ -1,15 +1,21 @@
 """Weight sync from the trainer to the rollout engines: named tensors in buckets over a weight-sync group.
 
-Protocol (one call on the source and every rollout rank of a ``WeightSyncGroup``):
+Protocol (one call on the source and every rollout rank of a ``WeightSyncGroup``), streamed: the source never
+holds more than the tensor in hand, one tensor in flight and its two bucket buffers, so a sync's extra memory is
+O(bucket), not O(pipeline stage) (issue 33: a trainer that gathered its whole stage first needed 235 GB on one GPU
+for a 235B MoE at pp=2; slime gathers and sends bucket by bucket too):
 
-1. metadata over MPI: version, and per tensor its name, dtype, shape, bucket and byte offset;
-2. the bytes by broadcast on the group's torch backend (NCCL/RCCL on GPUs, gloo on CPU), bucket by bucket. Small
-   tensors of any dtype are packed, as bytes, into one flat ``uint8`` bucket (each at a 64-byte aligned offset so
-   the receiver can view it back as its dtype without copying) of at most ``bucket_bytes`` (default 512 MiB); a
-   tensor of at least ``min(bucket_bytes, 1 MiB)`` is sent on its own, zero-copy (packing it would only add a copy:
-   bench/weight_sync.py). The source packs bucket k+1 while bucket k is on the wire; the receiver posts bucket k+1
-   before handing the tensors of bucket k to the engine. Both sides reuse two byte buffers per group (bounded
-   memory, no fresh pages on every sync).
+1. over MPI the opening header (kind, version); then per bucket, as it fills, its header (per tensor its name,
+   dtype, shape and byte offset); after the last one an end mark;
+2. each bucket's bytes by broadcast on the group's torch backend (NCCL/RCCL on GPUs, gloo on CPU). Small
+   tensors of any dtype are copied, as bytes, into one flat ``uint8`` bucket as they arrive (each at a 64-byte
+   aligned offset so the receiver can view it back as its dtype without copying) of at most ``bucket_bytes``
+   (default 512 MiB); a tensor of at least ``min(bucket_bytes, 1 MiB)`` is sent on its own, zero-copy (packing it
+   would only add a copy: bench/weight_sync.py). The source fills bucket k+1 (and produces its tensors: gathers,
+   conversions) while bucket k is on the wire; the receiver posts bucket k+1 before handing the tensors of bucket k
+   to the engine. Both sides reuse two byte buffers per group within a sync and release them after it: held
+   between syncs they kept the largest tensor's bytes (an embedding: 544 MB at Qwen2.5-0.5B's shape, issue 33)
+   on every rollout rank through generation, which the memory estimate does not give them.
 
 A converter (plugin kind ``converter``) maps trainer names/layout to the engine's first (identity when the formats
 agree). Colocated runs skip all of this and load the trainer's tensors into the engine in place.
@@ -57,16 +63,18 @@ class Bucket:
 
 @dataclass(frozen=True)
 class SyncHeader:
-    """What goes first: everything the receiver needs to allocate and name what follows."""
+    """What goes first: the kind of sync and the version; the buckets follow, each with its :class:`BucketHeader`."""
 
     kind: str  # "update" | "check"
     version: int
-    metas: tuple[TensorMeta, ...]
-    buckets: tuple[Bucket, ...]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
+
+@dataclass(frozen=True)
+class BucketHeader:
+    """One bucket's layout, sent just before its bytes: what the receiver needs to allocate and name them."""
+
+    bucket: Bucket
+    metas: tuple[TensorMeta, ...]  # of the bucket's tensors, in bucket order
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -78,45 +86,77 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+class BucketLayout:
+    """The bucketing rule, one tensor at a time (both the streamed send and :func:`plan_buckets` use it): a tensor
+    of at least ``min(bucket_bytes, direct_bytes)`` is a bucket of its own; smaller ones go at 64-byte aligned
+    offsets into the open bucket, which closes when the next one would not fit."""
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, direct_bytes: int | None = None) -> None:
+        if bucket_bytes < ALIGN:
+            raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
+        self.bucket_bytes = bucket_bytes
+        self.direct = min(bucket_bytes, DIRECT_BYTES if direct_bytes is None else direct_bytes)
+        self.used = 0  # bytes of the open bucket
+        self.open = 0  # tensors in the open bucket
+        self.seen: set[str] = set()
+
+    def place(self, name: str, nbytes: int) -> tuple[bool, bool, int]:
+        """Where tensor ``name`` of ``nbytes`` goes: (its own bucket, the open bucket must close first, its offset
+        in the open bucket)."""
+        if name in self.seen:
+            raise ValueError(f"weight sync: tensor name {name!r} appears twice")
+        self.seen.add(name)
+        if nbytes >= self.direct:
+            return True, False, 0
+        offset = -(-self.used // ALIGN) * ALIGN
+        close = self.open > 0 and offset + nbytes > self.bucket_bytes
+        if close:
+            offset = 0
+            self.open = 0
+        self.used = offset + nbytes
+        self.open += 1
+        return False, close, offset
+
+    def close(self) -> int:
+        """Close the open bucket; returns its bytes (0: it was empty)."""
+        used = self.used if self.open else 0
+        self.used = self.open = 0
+        return used
+
+
+def _meta(name: str, tensor: Any, bucket: int, offset: int) -> TensorMeta:
+    return TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
+                      tensor.numel() * tensor.element_size(), bucket, offset)
+
+
 def plan_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  direct_bytes: int | None = None) -> tuple[list[TensorMeta], list[Bucket]]:
-    """Lay tensors out in buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own)."""
-    if bucket_bytes < ALIGN:
-        raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
-    direct = min(bucket_bytes, DIRECT_BYTES if direct_bytes is None else direct_bytes)
+    """Lay tensors out in buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own), as the
+    streamed send does (a paper model of a sync: :mod:`milehpc.weights.cost`)."""
+    layout = BucketLayout(bucket_bytes, direct_bytes)
     metas: list[TensorMeta] = []
     buckets: list[Bucket] = []
     current: list[int] = []
-    used = 0
 
-    def close() -> None:
-        nonlocal current, used
+    def close(used: int) -> None:
         if current:
-            index = len(buckets)
-            buckets.append(Bucket(index, used, False, tuple(current)))
+            buckets.append(Bucket(len(buckets), used, False, tuple(current)))
             for i in current:
-                metas[i] = replace(metas[i], bucket=index)
-        current, used = [], 0
+                metas[i] = replace(metas[i], bucket=buckets[-1].index)
+            current.clear()
 
-    seen: set[str] = set()
     for i, (name, tensor) in enumerate(named):
-        if name in seen:
-            raise ValueError(f"weight sync: tensor name {name!r} appears twice")
-        seen.add(name)
-        nbytes = tensor.numel() * tensor.element_size()
-        meta = TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), nbytes, -1, 0)
-        if nbytes >= direct:  # big enough to be its own broadcast, sent without a copy
-            buckets.append(Bucket(len(buckets), nbytes, True, (i,)))
-            metas.append(replace(meta, bucket=buckets[-1].index))
+        used = layout.used
+        direct, closing, offset = layout.place(name, tensor.numel() * tensor.element_size())
+        if direct:
+            metas.append(_meta(name, tensor, len(buckets), 0))
+            buckets.append(Bucket(len(buckets), metas[-1].nbytes, True, (i,)))
             continue
-        offset = -(-used // ALIGN) * ALIGN
-        if current and offset + nbytes > bucket_bytes:
-            close()
-            offset = 0
-        metas.append(replace(meta, offset=offset))
+        if closing:
+            close(used)
+        metas.append(_meta(name, tensor, -1, offset))
         current.append(i)
-        used = offset + nbytes
-    close()
+    close(layout.close())
     return metas, buckets
 
 
@@ -126,40 +166,28 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _buffer(group: WeightSyncGroup, slot: int, nbytes: int) -> torch.Tensor:
-    """Byte buffer ``slot`` (0 or 1) of the group, reused across syncs: fresh memory costs page faults (CPU) or
-    allocator churn (GPU) on every sync. Grows to the largest bucket seen; at most two per group."""
+def _buffer(group: WeightSyncGroup, slot: int, nbytes: int, *, keep: int = 0, cap: int | None = None,
+            ) -> torch.Tensor:
+    """Byte buffer ``slot`` (0 or 1) of the group, reused across the buckets of a sync (released after it). Grows to
+    the largest bucket seen (doubling up to ``cap`` while a bucket fills, its first ``keep`` bytes kept)."""
     import torch
 
     while len(group.buffers) <= slot:
         group.buffers.append(torch.empty(0, dtype=torch.uint8, device=group.device))
-    if group.buffers[slot].numel() < nbytes:
-        group.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+    old = group.buffers[slot]
+    if old.numel() < nbytes:
+        size = max(nbytes, min(2 * old.numel(), cap or nbytes))
+        group.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=group.device)
+        keep = min(keep, old.numel())  # beyond: alignment padding
+        if keep:
+            group.buffers[slot][:keep].copy_(old[:keep])
     return group.buffers[slot][:nbytes]
 
 
-def _pack(bucket: Bucket, tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta],
-          group: WeightSyncGroup) -> torch.Tensor:
-    if bucket.direct:  # zero-copy: the tensor's own bytes
-        return _as_bytes(tensors[bucket.tensors[0]].to(group.device))
-    buf = _buffer(group, bucket.index % 2, bucket.nbytes)
-    for i in bucket.tensors:
-        meta = metas[i]
-        if meta.nbytes:
-            buf[meta.offset:meta.offset + meta.nbytes].copy_(_as_bytes(tensors[i]), non_blocking=True)
-    return buf
-
-
-def _unpack(bucket: Bucket, buf: torch.Tensor, metas: Sequence[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
-    for i in bucket.tensors:
-        meta = metas[i]
+def _unpack(header: BucketHeader, buf: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    for meta in header.metas:
         part = buf[meta.offset:meta.offset + meta.nbytes]
         yield meta.name, part.view(_dtype(meta.dtype)).view(meta.shape)
-
-
-def _recv_buffer(bucket: Bucket, metas: Sequence[TensorMeta], group: WeightSyncGroup) -> torch.Tensor:
-    """The (reused) byte buffer a bucket is received into; a direct tensor is viewed back as itself."""
-    return _buffer(group, bucket.index % 2, bucket.nbytes)
 
 
 # ---- sending / receiving ------------------------------------------------------
@@ -172,10 +200,41 @@ class SyncStats:
     seconds: float
 
 
+class _StreamSender:
+    """The source's half of one streamed sync (see the module docstring): at most one broadcast in flight; the open
+    packed bucket fills the buffer slot that the last packed broadcast did not use."""
+
+    def __init__(self, group: WeightSyncGroup, timeout: float | None) -> None:
+        self.group, self.timeout = group, timeout
+        self.in_flight: tuple[Any, int, torch.Tensor] | None = None  # (work, bucket index, bytes kept alive)
+        self.buckets = self.nbytes = 0
+        self.slot = 0  # the buffer the open packed bucket fills
+
+    def send(self, direct: bool, metas: list[TensorMeta], data: torch.Tensor) -> None:
+        group = self.group
+        index = self.buckets
+        bucket = Bucket(index, int(data.numel()), direct, tuple(range(len(metas))))
+        header = BucketHeader(bucket, tuple(replace(m, bucket=index) for m in metas))
+        group.comms.bcast(header, group.source, group.ranks, what=f"{_what(group, index)} metadata",
+                          timeout=self.timeout)
+        self.finish()
+        self.in_flight = (group.broadcast(data), index, data)
+        self.buckets += 1
+        self.nbytes += bucket.nbytes
+
+    def finish(self) -> None:
+        if self.in_flight is not None:
+            work, index, _ = self.in_flight
+            self.group.wait(work, _what(self.group, index), self.timeout)
+            self.in_flight = None
+
+
 def send_weights(group: WeightSyncGroup, named_tensors: NamedTensors, version: int,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, converter: Converter | None = None,
                  kind: str = "update", direct_bytes: int | None = None, timeout: float | None = None) -> SyncStats:
-    """Source side: send ``named_tensors`` (after ``converter``) to every rollout rank of ``group``."""
+    """Source side: send ``named_tensors`` (after ``converter``) to every rollout rank of ``group``, streamed: an
+    iterator is consumed one tensor at a time (a lazy export gathers each tensor just before it is sent) and no
+    tensor is referenced after it went into a bucket or onto the wire."""
     import time
 
     if not group.is_source:
@@ -183,29 +242,47 @@ def send_weights(group: WeightSyncGroup, named_tensors: NamedTensors, version: i
     if kind == "update" and version < group.version:
         raise ValueError(f"weight version went backwards: {version} after {group.version}")
     start = time.perf_counter()
-    named = list(converter(named_tensors) if converter else named_tensors)
-    metas, buckets = plan_buckets(named, bucket_bytes, direct_bytes)
-    header = SyncHeader(kind, version, tuple(metas), tuple(buckets))
     comms = group.comms
-    comms.bcast(header, group.source, group.ranks, what=f"weight sync (stage {group.stage}) metadata",
-                timeout=timeout)
-    tensors = [t for _, t in named]
+    comms.bcast(SyncHeader(kind, version), group.source, group.ranks,
+                what=f"weight sync (stage {group.stage}) metadata", timeout=timeout)
     maybe_fail("broadcast", version)  # the receivers have the header and wait for the buckets
-    in_flight: tuple[Any, torch.Tensor, int] | None = None
-    for bucket in buckets:
-        buf = _pack(bucket, tensors, metas, group)  # overlaps the previous bucket's broadcast
-        if in_flight is not None:
-            group.wait(in_flight[0], _what(group, in_flight[2], len(buckets)), timeout)
-        in_flight = (group.broadcast(buf), buf, bucket.index)
-    if in_flight is not None:
-        group.wait(in_flight[0], _what(group, in_flight[2], len(buckets)), timeout)
+    layout = BucketLayout(bucket_bytes, direct_bytes)
+    out = _StreamSender(group, timeout)
+    packed: list[TensorMeta] = []  # of the open bucket, copied into buffer out.slot as they came
+    tensors = 0
+
+    def close(used: int) -> None:
+        if packed:
+            out.send(False, list(packed), group.buffers[out.slot][:used])
+            packed.clear()
+            out.slot ^= 1  # the bucket just sent is in flight from this slot: fill the other
+
+    for name, tensor in (converter(named_tensors) if converter else named_tensors):
+        tensors += 1
+        nbytes = tensor.numel() * tensor.element_size()
+        used = layout.used
+        direct, closing, offset = layout.place(name, nbytes)
+        meta = _meta(name, tensor, -1, offset)
+        if direct:  # zero-copy: the tensor's own bytes (on the group's device)
+            out.send(True, [meta], _as_bytes(tensor.to(group.device)))
+            continue
+        if closing:
+            close(used)
+        buf = _buffer(group, out.slot, offset + nbytes, keep=offset, cap=bucket_bytes)
+        if nbytes:
+            buf[offset:offset + nbytes].copy_(_as_bytes(tensor), non_blocking=True)
+        packed.append(meta)
+    close(layout.close())
+    comms.bcast(None, group.source, group.ranks, what=f"weight sync (stage {group.stage}) end", timeout=timeout)
+    out.finish()
+    group.buffers.clear()
     if kind == "update":
         group.version = version
-    return SyncStats(version, len(metas), len(buckets), header.nbytes, time.perf_counter() - start)
+    return SyncStats(version, tensors, out.buckets, out.nbytes, time.perf_counter() - start)
 
 
-def _what(group: WeightSyncGroup, index: int, total: int) -> str:
-    return f"weight sync (stage {group.stage}) bucket {index + 1}/{total}"
+def _what(group: WeightSyncGroup, index: int) -> str:
+    return f"weight sync (stage {group.stage}) bucket {index + 1}"
 
 
 class WeightStream:
@@ -228,19 +305,27 @@ class WeightStream:
         return self._iter
 
     def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        group, metas, buckets = self.group, self.header.metas, self.header.buckets
+        group, index = self.group, 0
 
-        def post(bucket: Bucket) -> tuple[Any, torch.Tensor, Bucket]:
-            buf = _recv_buffer(bucket, metas, group)
-            return group.broadcast(buf), buf, bucket
+        def post() -> tuple[Any, torch.Tensor, BucketHeader] | None:
+            nonlocal index
+            header: BucketHeader | None = group.comms.bcast(None, group.source, group.ranks,
+                                                            what=f"{_what(group, index)} metadata",
+                                                            timeout=self.timeout)
+            if header is None:  # the end mark
+                return None
+            index += 1
+            buf = _buffer(group, header.bucket.index % 2, header.bucket.nbytes)
+            return group.broadcast(buf), buf, header
 
-        nxt = post(buckets[0]) if buckets else None
+        nxt = post()
         while nxt is not None:
-            work, buf, bucket = nxt
-            group.wait(work, _what(group, bucket.index, len(buckets)), self.timeout)
+            work, buf, header = nxt
+            group.wait(work, _what(group, header.bucket.index), self.timeout)
             # Receive the next bucket into the other buffer while the engine loads this one.
-            nxt = post(buckets[bucket.index + 1]) if bucket.index + 1 < len(buckets) else None
-            yield from _unpack(bucket, buf, metas)
+            nxt = post()
+            yield from _unpack(header, buf)
+        group.buffers.clear()  # the engine has copied every tensor out
         if self.header.kind == "update":
             group.version = self.version
         self.done = True

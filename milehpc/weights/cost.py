@@ -5,8 +5,8 @@ it, ``python -m milehpc.weights.cost`` prints the README's table.
 * **tensors**: the model's HF tensors (name, shape, dtype) as the trainers export them, in the torch trainer's order
   (the HF ``state_dict``'s; Megatron's differs within a layer, the tensors are the same: tests/megatron_checks.py),
   an MoE model's experts split per expert by :func:`milehpc.models.moe_names` itself when the engine is SGLang;
-  described by :class:`TensorSpec`, which answers what the bucketing reads of a tensor. The torch trainer sends a
-  tied ``lm_head`` as well (its ``state_dict`` lists it); Megatron does not. Stage ``s`` of ``pp``
+  described by :class:`TensorSpec`, which answers what the bucketing reads of a tensor. A tied ``lm_head`` is not
+  sent (the engines tie it to the embedding themselves). Stage ``s`` of ``pp``
   holds layers ``[s L/pp, (s+1) L/pp)`` (Megatron's even split), the embedding on the first stage, the final norm and
   the output layer on the last.
 * **buckets**: by the sync's own functions: :func:`milehpc.weights.broadcast.plan_buckets` (milehpc's broadcast:
@@ -20,8 +20,9 @@ it, ``python -m milehpc.weights.cost`` prints the README's table.
 
 Not counted: the trainer's export before the first byte moves (TP/EP all-gathers and the Megatron->HF conversion,
 reported as ``time/sync_export``), the engine's load of each bucket, and the per-bucket metadata message over MPI.
-The stage leader holds its whole stage's full tensors at once (the export is materialised before the send):
-:attr:`SyncCost.leader_bytes`.
+The stage leader sends each tensor as the export gathers and converts it (issue 33; it used to gather its whole
+stage first, 235 GB on one GPU for a 235B MoE at pp=2): beyond its shard it holds about three buckets' worth at once
+(:attr:`SyncCost.held_bytes`: the bucket being filled, the one on the wire or its flat copy, the tensor being made).
 """
 
 from __future__ import annotations
@@ -114,17 +115,16 @@ def _layer(s: Shape, model_type: str, head_dim: int, dtype: str, i: int) -> list
 
 
 def model_tensors(s: Shape, model_type: str, *, head_dim: int | None = None, dtype: str = "bfloat16",
-                  moe_layout: str = "transformers", tied_lm_head: bool = False) -> list[TensorSpec]:
+                  moe_layout: str = "transformers") -> list[TensorSpec]:
     """The whole model's exported tensors, in order. ``head_dim``: unset = hidden / heads (Qwen3 sets its own);
-    ``moe_layout``: :func:`milehpc.models.engine_moe_layout` of the engine; ``tied_lm_head``: a tied output layer is
-    sent under its own name too (the torch trainer's ``state_dict``)."""
+    ``moe_layout``: :func:`milehpc.models.engine_moe_layout` of the engine. A tied output layer is not sent."""
     hd = head_dim or s.head_dim
     out = [TensorSpec("model.embed_tokens.weight", (s.vocab, s.hidden), dtype)]
     for i in range(s.layers):
         for t in _layer(s, model_type, hd, dtype, i):
             out += [TensorSpec(n, part.shape, dtype) for n, part in moe_names(t.name, t, model_type, moe_layout)]
     out.append(TensorSpec("model.norm.weight", (s.hidden,), dtype))
-    if not s.tied or tied_lm_head:
+    if not s.tied:
         out.append(TensorSpec("lm_head.weight", (s.vocab, s.hidden), dtype))
     return out
 
@@ -202,13 +202,19 @@ class SyncCost:
 
     @property
     def leader_bytes(self) -> int:
-        """The largest stage: what its leader holds at once, gathered, before it sends."""
+        """The largest stage: the bytes its leader sends."""
         return max((s.bytes for s in self.stages), default=0)
+
+    @property
+    def held_bytes(self) -> int:
+        """What a stage leader holds at once beyond its shard, streamed (see the module doc): three of its largest
+        bucket (a tensor larger than the bucket size travels alone, as its own bucket)."""
+        return 3 * max((s.largest_bucket for s in self.stages), default=0)
 
     def to_json(self) -> dict[str, Any]:
         return {"bytes": self.bytes, "buckets": self.buckets, "seconds": self.seconds, "members": self.members,
                 "nodes": self.nodes, "bandwidth_bytes_s": self.bandwidth, "transport": self.transport,
-                "leader_bytes": self.leader_bytes, "notes": self.notes,
+                "leader_bytes": self.leader_bytes, "held_bytes": self.held_bytes, "notes": self.notes,
                 "stages": [vars(s) for s in self.stages]}
 
     @property
@@ -257,8 +263,7 @@ def job_tensors(job: JobSpec, *, head_dim: int | None = None) -> list[TensorSpec
     cfg = (folder_config(job.model.path) if job.model.path else None) or {}
     model_type = cfg.get("model_type") or random_model_type(job.model.arch, s.experts)
     return model_tensors(s, model_type, head_dim=head_dim or cfg.get("head_dim"), dtype=wire_dtype(job),
-                         moe_layout=engine_moe_layout(job.rollout.engine),
-                         tied_lm_head=job.trainer.backend == "torch")
+                         moe_layout=engine_moe_layout(job.rollout.engine))
 
 
 def group_nodes(plan: Plan) -> int:
@@ -284,12 +289,11 @@ def for_job(job: JobSpec, plan: Plan, partition: Partition, *, head_dim: int | N
     cost = sync_cost(stages, direct=direct_weight_sync(job), members=1 + plan.rollout_ranks,
                      nodes=group_nodes(plan), fabric=fabric_of(partition))
     device = partition.devices.memory_gib
-    if device and cost.leader_bytes > device * (1 << 30):
+    if device and cost.held_bytes > device * (1 << 30):
         from milehpc.memory import size
 
-        hint = ": raise trainer.pp" if job.trainer.backend == "megatron" else ""  # the torch trainer has no stages
-        cost.notes.append(f"a stage leader gathers its whole stage ({size(cost.leader_bytes)}) before it sends, more "
-                          f"than its device's {device:g} GiB{hint}")
+        cost.notes.append(f"a stage leader holds about three of its largest buckets ({size(cost.held_bytes)}) at "
+                          f"once while it sends, more than its device's {device:g} GiB")
     return cost
 
 

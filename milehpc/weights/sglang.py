@@ -162,6 +162,8 @@ class StageSender:
             except SyncBroken as err:
                 broken = str(err)
                 self.drop(abort=True)
+                for _ in named:  # the rest of a lazy export: its gathers are collectives the TP peers are in
+                    pass
                 break
             total += flat.numel()
         self.comms.bcast(("abort" if broken else "done", version), self.comms.rank, self.members,
@@ -273,18 +275,26 @@ _ATTEMPTS: dict[int, int] = {}  # per Comms object: sync attempts so far (the sa
 
 def sync_weights(comms: Comms, version: int, *, named_tensors: Any = None, engine: Any = None,
                  bucket_bytes: int = 512 << 20, converter: Any = None, timeout: float | None = None,
-                 run_id: str = "milehpc") -> dict[str, float]:
+                 run_id: str = "milehpc", again: Any = None) -> dict[str, float]:
     """Drop-in for :func:`milehpc.weights.sync.sync_weights` when the engine receives the bytes itself (SGLang on
     separate ranks; :func:`milehpc.weights.sync.direct_weight_sync`): call on every rank. Stage leaders send
     ``named_tensors`` (their stage's HF-named weights; a callable gets the stage), engine leaders have SGLang receive
     them, other ranks return. ``converter`` maps trainer names/layouts to HF ones; ``timeout`` is the comms'.
     A sync that broke (see the module docstring) is redone: the dead engine restarted, every group rebuilt.
+
+    ``again``: a lazy export made collectively by the trainer ranks (Megatron's gathers; issue 33: it is sent as it
+    is made, never held whole): every trainer rank calls this with its own ``named_tensors`` (the other ranks' are
+    drained), and a redone sync exports again on every trainer rank (``again()``), told by stage 0's verdict.
+    Without it ``named_tensors`` is listed once and sent again as it is.
     """
     import time
 
     plan = comms.plan
     sources = [g["source"] for g in plan.weight_sync_groups()]
     leaders = plan.engine_leaders()
+    followers = [r for r in plan.trainer_group() if r not in sources] if again is not None else []
+    if comms.rank in followers:
+        return _follow(comms, sources[0], named_tensors, again, [sources[0], *leaders, *followers])
     if comms.rank not in sources and comms.rank not in leaders:
         return {}
     t0 = time.perf_counter()
@@ -295,17 +305,22 @@ def sync_weights(comms: Comms, version: int, *, named_tensors: Any = None, engin
         tensors = named_tensors(stage) if callable(named_tensors) else named_tensors
         if tensors is None:
             raise ValueError(f"rank {comms.rank} leads stage {stage}: it needs named_tensors")
-        tensors = list(converter(tensors) if converter else tensors)  # sent again if the sync breaks
+        tensors = converter(tensors) if converter else tensors
+        if again is None:
+            tensors = list(tensors)  # sent again if the sync breaks
     elif engine is None:
         raise ValueError(f"rank {comms.rank} leads an engine: it needs the engine")
     for attempt in range(MAX_ATTEMPTS):
         n = _ATTEMPTS[id(comms)] = _ATTEMPTS.get(id(comms), -1) + 1
         if comms.rank in sources:
             ok, nbytes = _send_attempt(comms, sources.index(comms.rank), leaders, tensors, version, bucket_bytes,
-                                       run_id, n, earlier_tries=attempt)
+                                       run_id, n, earlier_tries=attempt, followers=followers)
             metrics.update({"sync/bytes": float(nbytes), "sync/attempts": float(attempt + 1)})
+            if not ok and again is not None and attempt + 1 < MAX_ATTEMPTS:
+                tensors = converter(again()) if converter else again()
         else:
-            ok = _receive_attempt(comms, engine, sources, leaders, version, n, redo=attempt > 0)
+            ok = _receive_attempt(comms, engine, sources, leaders, version, n, redo=attempt > 0,
+                                  followers=followers)
         if ok:
             break
     else:
@@ -317,8 +332,21 @@ def sync_weights(comms: Comms, version: int, *, named_tensors: Any = None, engin
     return metrics
 
 
-def _send_attempt(comms: Comms, stage: int, leaders: list[int], tensors: list[Any], version: int,
-                  bucket_bytes: int, run_id: str, attempt: int, *, earlier_tries: int) -> tuple[bool, int]:
+def _follow(comms: Comms, source: int, named: Any, again: Any, members: list[int]) -> dict[str, float]:
+    """A trainer rank that leads no stage, in a collective export: take part in each attempt's export (keeping
+    nothing) until stage 0's verdict says the sync went through."""
+    for _ in range(MAX_ATTEMPTS):
+        for _ in named:
+            pass
+        if comms.bcast(None, source, members, what="weight sync verdict"):
+            return {}
+        named = again()
+    raise RuntimeFailure(f"the weight sync into SGLang failed {MAX_ATTEMPTS} times (told by rank {source})")
+
+
+def _send_attempt(comms: Comms, stage: int, leaders: list[int], tensors: Any, version: int,
+                  bucket_bytes: int, run_id: str, attempt: int, *, earlier_tries: int,
+                  followers: list[int]) -> tuple[bool, int]:
     """A stage leader's part of one sync attempt (``attempt``: counted over all syncs, the failure reports' tag;
     ``earlier_tries``: this sync's failed attempts before it): (whether every engine took every stage, bytes sent)."""
     failure_reports(comms, leaders, attempt)  # drop reports of earlier attempts
@@ -337,7 +365,7 @@ def _send_attempt(comms: Comms, stage: int, leaders: list[int], tensors: list[An
     failures = [f"engine leader {r}: {why}" for r, why in zip(leaders, results, strict=True) if why]
     ok = not failures and broken is None
     if stage == 0:
-        comms.bcast(ok, comms.rank, members, what="weight sync verdict")
+        comms.bcast(ok, comms.rank, members + followers, what="weight sync verdict")
     if not ok:
         sender.drop(abort=True)  # a clean destroy may block (NCCL, a dead peer) wherever the attempt failed
         log(f"weight sync of version {version} (stage {stage}, attempt {earlier_tries + 1}) failed: "
@@ -346,7 +374,7 @@ def _send_attempt(comms: Comms, stage: int, leaders: list[int], tensors: list[An
 
 
 def _receive_attempt(comms: Comms, engine: Any, sources: list[int], leaders: list[int], version: int,
-                     attempt: int, *, redo: bool) -> bool:
+                     attempt: int, *, redo: bool, followers: list[int]) -> bool:
     """An engine leader's part of one sync attempt; a dead engine is restarted before the attempt."""
     if redo and not engine.health():
         engine.restart()  # counted; raises once rollout.options.max_restarts is used up
@@ -356,4 +384,4 @@ def _receive_attempt(comms: Comms, engine: Any, sources: list[int], leaders: lis
     _, failed = engine_receive(comms, engine, sources, leaders, version, attempt)
     for stage, source in enumerate(sources):
         comms.gather(failed, source, [source, *leaders], what=f"engine sync results (stage {stage})")
-    return bool(comms.bcast(None, sources[0], [sources[0], *leaders], what="weight sync verdict"))
+    return bool(comms.bcast(None, sources[0], [sources[0], *leaders, *followers], what="weight sync verdict"))

@@ -3,8 +3,9 @@ engine, colocated ranks load the trainer's tensors in place (see ``weights.broad
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from milehpc.weights.broadcast import DEFAULT_BUCKET_BYTES, SyncStats, recv_weights_stream, send_weights
 from milehpc.weights.converters import Converter, NamedTensors, identity
@@ -13,6 +14,30 @@ from milehpc.weights.inplace import WeightSink, load_in_place
 if TYPE_CHECKING:
     from milehpc.comm.world import Comms
     from milehpc.config.job import JobSpec
+
+
+class TimedExport:
+    """An export iterated by the sync (gathered and converted as it is sent): ``seconds`` counts the time spent
+    making its tensors, apart from the sending around it (the ``time/sync_export`` metric)."""
+
+    def __init__(self, named: NamedTensors) -> None:
+        self._it = iter(named)
+        self.seconds = 0.0
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return self
+
+    def __next__(self) -> tuple[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            return next(self._it)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def drain(self) -> None:
+        """Iterate to the end, keeping nothing: a rank that sends nothing still takes part in a collective export."""
+        for _ in self:
+            pass
 
 
 def direct_weight_sync(job: JobSpec) -> bool:

@@ -61,8 +61,28 @@ echo "milehpc: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB
 # Rank 0 writes this marker when every rank finished; a launcher can exit 0 without starting the ranks
 # (e.g. srun after a PMIx failure), and that must not look like success.
 rm -f "$MILEHPC_RUN_DIR/.milehpc/step-done"
+rm -f "$MILEHPC_RUN_DIR/.milehpc/step-failed" "$MILEHPC_RUN_DIR/.milehpc/step-failed.abandoned"
 srun --mpi=cray_shasta --nodes=1 --ntasks=4 --ntasks-per-node=4 --cpus-per-task=32 --cpu-bind=cores --gpus-per-task=1 --kill-on-bad-exit=1 /opt/milehpc/venv/bin/python -m milehpc launch "$MILEHPC_RUN_DIR" &
 step=$!
+# Rank 0 marks that it reported the job's failure; the other ranks end within seconds, and so does srun unless a node
+# is unreachable (a partition): then srun waits for that node's step until Slurm declares the node down
+# (SlurmdTimeout). Stop waiting 5 s after the mark (nor wait out KillWait for ranks that are gone):
+# the probe below names the node.
+watcher=""
+if [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
+    (
+        while kill -0 "$step" 2>/dev/null && [ ! -e "$MILEHPC_RUN_DIR/.milehpc/step-failed" ]; do sleep 0.5; done
+        kill -0 "$step" 2>/dev/null || exit 0
+        sleep 5
+        if kill -0 "$step" 2>/dev/null; then
+            echo "milehpc: rank 0 reported the failure 5 s ago and srun still runs (waiting for a node it cannot reach, or for KillWait): ending the step" >&2
+            touch "$MILEHPC_RUN_DIR/.milehpc/step-failed.abandoned"
+            # srun forwards an interrupt to the tasks it can reach; it cannot end the step without the lost node
+            kill -INT "$step" 2>/dev/null || true; sleep 1; kill -KILL "$step" 2>/dev/null || true
+        fi
+    ) &
+    watcher=$!
+fi
 # `wait` returns early (status > 128) when a trapped signal arrives: keep waiting for the step itself.
 while true; do
     set +e
@@ -71,6 +91,13 @@ while true; do
     set -e
     kill -0 "$step" 2>/dev/null || break
 done
+if [ -n "$watcher" ]; then
+    kill "$watcher" 2>/dev/null || true
+    wait "$watcher" 2>/dev/null || true
+fi
+if [ -e "$MILEHPC_RUN_DIR/.milehpc/step-failed.abandoned" ] && { [ "$rc" -eq 0 ] || [ "$rc" -eq 75 ]; }; then
+    rc=1  # a step ended by the shell failed, whatever srun's status says
+fi
 if [ "$rc" -eq 0 ] && [ ! -e "$MILEHPC_RUN_DIR/.milehpc/step-done" ]; then
     echo "milehpc: the launcher exited 0 but the ranks never reported finishing; treating the step as failed" >&2
     rc=1

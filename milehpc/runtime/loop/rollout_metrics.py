@@ -7,6 +7,7 @@ import math
 
 COUNTERS = ("reward_sum", "reward_sq", "scored", "samples", "failed", "truncated", "filtered", "carried",
             "resp_tokens", "gen_tokens", "groups", "time_gen", "time_reward", "engine_restarts")
+PART = "reward_part/"  # the sum of a dict reward's entry over the scored samples: reported as reward/<entry>
 
 
 def new_stats() -> dict[str, float]:
@@ -44,6 +45,12 @@ def rollout_metrics(stats: dict[str, float]) -> dict[str, float]:
             out[f"time/{key}"] = stats[f"time_{key}"]
     if stats.get("time_gen", 0.0) > 0:
         out["perf/gen_tokens_per_s"] = stats.get("gen_tokens", 0.0) / stats["time_gen"]
+    for key, total in stats.items():
+        if key.startswith(PART):  # e.g. combine's parts: the exact-match score beside the reward model's
+            out["reward/" + key.removeprefix(PART)] = total / n
+    for key, total in stats.items():
+        if key.startswith("agent/"):  # the agent generator's counts (summed): episodes, divergences, timeouts...
+            out[key] = total
     if any(k.startswith("adapter/") for k in stats):  # multi-LoRA: adapter/<NAME>/reward_mean, .../samples
         from milehpc.runtime.loop.adapter_streams import adapter_metrics
 

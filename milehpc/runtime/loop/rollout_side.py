@@ -13,10 +13,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from milehpc.config.job import ROLLOUT_LOOP_OPTIONS
+from milehpc.data.images import prompt_images
 from milehpc.faults import maybe_fail
-from milehpc.runtime.loop.rollout_metrics import new_stats
+from milehpc.runtime.loop.rollout_metrics import PART, new_stats
 from milehpc.runtime.loop.state import LoopState
 from milehpc.samples import Group, Sample, Status
+from milehpc.samples.sample import AGENT_COUNTS
 
 if TYPE_CHECKING:
     from milehpc.config.job import JobSpec
@@ -31,6 +33,17 @@ class SentBatch:
     batch: int
     groups: list[Group]
     stats: dict[str, float]
+
+
+def generator_context(generator: Callable[..., Any], tokenizer: Any, file: str | None) -> dict[str, Any]:
+    """What a generator may ask for by keyword: ``run_dir`` (the private run directory, None in a local run) and
+    ``tokenizer`` (the job's; the agent generator's endpoint renders chat templates with it)."""
+    import inspect
+    from pathlib import Path
+
+    accepts = inspect.signature(generator).parameters
+    known = {"run_dir": str(Path(file).parent) if file else None, "tokenizer": tokenizer}
+    return {k: v for k, v in known.items() if k in accepts}
 
 
 class RolloutSide:
@@ -66,10 +79,12 @@ class RolloutSide:
         self.sampling = sampling_from_spec(ro, self.tokenizer)
         self.generator: Callable[..., list[Sample]] | None = None
         self.generator_params: dict[str, Any] = {}
+        self.generator_context: dict[str, Any] = {}
         if ro.generator:
             spec = plugins.lookup("generator", ro.generator, file=file, field="rollout.generator")
             self.generator_params = merge_params(spec.defaults, ro.generator_params)  # checked on the login node
             self.generator = plugins.load("generator", ro.generator)
+            self.generator_context = generator_context(self.generator, self.tokenizer, file)
         self.options = {**ROLLOUT_LOOP_OPTIONS, **ro.options}
         self.state = LoopState()
         # This engine's quota of each step's prompts.
@@ -131,6 +146,8 @@ class RolloutSide:
 
             count_by_adapter(group, stats)
         for s in group:
+            for key, value in s.metadata.get(AGENT_COUNTS, {}).items():  # the agent generator's episode counts
+                stats[f"agent/{key}"] = stats.get(f"agent/{key}", 0.0) + value
             stats["samples"] += 1
             stats["resp_tokens"] += len(s.response_ids)
             stats["failed"] += s.status is Status.FAILED
@@ -140,6 +157,10 @@ class RolloutSide:
                 stats["reward_sum"] += r
                 stats["reward_sq"] += r * r
                 stats["scored"] += 1
+                if isinstance(s.reward, dict):  # a reward's parts (combine, model scores): reward/<part> metrics
+                    for key, value in s.reward.items():
+                        if key != "score":
+                            stats[f"{PART}{key}"] = stats.get(f"{PART}{key}", 0.0) + value
 
     def _generate(self, prompts: list[Any], stats: dict[str, float]) -> list[Group]:
         """Generate for ``prompts`` (and continue partial rollouts); returns the groups that finished."""
@@ -147,7 +168,8 @@ class RolloutSide:
         version = self.state.weight_version
         before = self.engine.tokens_generated
         if self.generator is not None:
-            out = self.generator(self.engine, prompts, self.sampling, **self.generator_params)
+            out = self.generator(self.engine, prompts, self.sampling, **self.generator_params,
+                                 **self.generator_context)
         else:
             sp = self.sampling
             if ro.partial_rollout:
@@ -160,6 +182,8 @@ class RolloutSide:
                 from milehpc.samples import ADAPTER_KEY
 
                 sp = replace(sp, adapters=[p.metadata[ADAPTER_KEY] for p in prompts])
+            if (shown := prompt_images(prompts)) is not None:  # a VL model's image prompts (by reference)
+                sp = replace(sp, images=shown)
             out = self.engine.generate([p.ids for p in prompts], sp) if prompts else []
         for s in out:  # engine-local group index → the prompt's stream position
             p = prompts[s.group]

@@ -33,7 +33,7 @@ from milehpc.runtime.loop.protocol import (
 from milehpc.runtime.loop.rollout_metrics import merge_rollout_stats, rollout_metrics
 from milehpc.runtime.loop.trainer_side import TrainerSide, world_facts
 from milehpc.samples import samples_of
-from milehpc.weights.sync import direct_weight_sync
+from milehpc.weights.sync import TimedExport, direct_weight_sync
 
 if TYPE_CHECKING:
     from milehpc.comm.context import RunContext
@@ -108,18 +108,28 @@ class SeparateTrainer:
             from milehpc.weights.sync import sync_weights
 
         t0 = time.perf_counter()
-        self.export_s = 0.0  # of which the trainer's export (names, gathers, conversions) before the send
+        self.export_s = 0.0  # of which making the export's tensors (gathers, conversions), streamed into the send
         if self.leader:
             for r in self.rollout_ranks:
                 notice = (WEIGHTS, version) if eval_step is None else (EVAL_WEIGHTS, (version, eval_step))
                 self.box.send(notice, r, tag, f"weight notice to rank {r}")
         source = any(g.is_source for g in self.comms.sync_groups.values())
         if source or self.trainer.export_is_collective:
-            t1 = time.perf_counter()
-            named = list(self.trainer.export_weights())
-            self.export_s = time.perf_counter() - t1
-            if source:
-                sync_weights(self.comms, version, named_tensors=named)
+            # Streamed (issue 33): the stage leader sends each tensor as the export makes it (gathers included);
+            # the other trainer ranks take part in the export's gathers in step, keeping nothing. A redone SGLang
+            # sync exports again on every trainer rank.
+            exports = [TimedExport(self.trainer.export_weights())]
+
+            def again() -> TimedExport:
+                exports.append(TimedExport(self.trainer.export_weights()))
+                return exports[-1]
+
+            if self.direct and self.trainer.export_is_collective:
+                sync_weights(self.comms, version, named_tensors=exports[0], again=again)
+            elif source:
+                sync_weights(self.comms, version, named_tensors=exports[0])
+            exports[-1].drain()
+            self.export_s = sum(e.seconds for e in exports)
         return time.perf_counter() - t0
 
     # ---- trainer rank 0 -----------------------------------------------------------------------------------

@@ -611,6 +611,7 @@ class MegatronTrainer:
         if self.algorithm.needs_old_logprobs or minis > 1:
             batch.old_logprobs = self._forward_logprobs(batch)
         adv_metrics = self.algorithm.compute_advantages(batch, dp_sum=self._dp_sum_tensor if self.dp_size > 1 else None)
+        t_prepared = time.perf_counter()  # the no-grad logprob passes and the advantages (bench/realsize.py)
         tokens, seqs = self._dp_sum([batch.num_tokens, batch.num_seqs])
         tr = self.job.trainer
         factor = lr_factor(self.steps, warmup=tr.warmup_steps, total=self.job.run.steps, schedule=tr.lr_schedule,
@@ -686,6 +687,7 @@ class MegatronTrainer:
             out["train/logprob_diff_mean"] = diff_sum / diff_n
             out["train/logprob_diff_max"] = self._dp_sum([summary["diff_max"]], "max")[0]
         out["time/train_compute"] = time.perf_counter() - t0
+        out["time/train_prepare"] = t_prepared - t0
         if self.adapters:  # bytes the last weight sync moved, and what a full-model sync would have (torch trainer's)
             out["sync/bytes"] = float(self.sync_bytes)
             out["sync/full_model_bytes"] = float(self.full_model_bytes)
@@ -767,23 +769,25 @@ class MegatronTrainer:
 
     # ---- weights -------------------------------------------------------------------------------------------
     def export_weights(self, *, moe_layout: str | None = None, grads: bool = False,
-                       ) -> list[tuple[str, torch.Tensor]]:
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective over the trainer ranks: this PP stage's weights in HF names on the stage leader (tp=0,
-        dp=0); an empty list elsewhere. TP shards are gathered over the TP group, experts over the EP group.
-        ``grads``: the last step's gradients (DP-reduced ``main_grad``) in the same names instead, to compare a
-        step with the torch trainer's. With LoRA: the adapter alone (and its scaling), in the torch trainer's wire
-        names (:mod:`.lora`). ``moe_layout``: an MoE model's HF names (:func:`milehpc.models.moe_names`); unset =
-        the ones the job's rollout engine loads (SGLang: per expert)."""
+        dp=0); nothing elsewhere. TP shards are gathered over the TP group, experts over the EP group, **one
+        parameter at a time as the result is iterated** (issue 33: a list of the whole stage on one GPU did not fit
+        a 235B MoE at pp=2): every trainer rank iterates it to the end, in step. ``grads``: the last step's
+        gradients (DP-reduced ``main_grad``) in the same names instead, to compare a step with the torch trainer's.
+        With LoRA: the adapter alone (and its scaling), in the torch trainer's wire names (:mod:`.lora`).
+        ``moe_layout``: an MoE model's HF names (:func:`milehpc.models.moe_names`); unset = the ones the job's
+        rollout engine loads (SGLang: per expert)."""
         from milehpc.models import engine_moe_layout
 
         if self.adapters:
-            return self._export_adapter(grads=grads)
+            return iter(self._export_adapter(grads=grads))
         from milehpc.train.megatron.chunks import parts
 
-        layout = moe_layout or engine_moe_layout(self.job.rollout.engine)
+        layout = moe_layout or engine_moe_layout(self.job.rollout.engine)  # now, not when first iterated
         # Virtual stages: each chunk's layers under their global indices, one after the other.
-        return [item for chunk in parts(self.module)
-                for item in self.export_module(chunk, self.arch, moe_layout=layout, grads=grads)]
+        return (item for chunk in parts(self.module)
+                for item in self.export_module(chunk, self.arch, moe_layout=layout, grads=grads))
 
     def _export_adapter(self, *, grads: bool) -> list[tuple[str, torch.Tensor]]:
         import torch
@@ -803,43 +807,52 @@ class MegatronTrainer:
         return out
 
     def export_module(self, module: Any, arch: Any, *, moe_layout: str = "transformers", grads: bool = False,
-                      raw: tuple[str, ...] = ()) -> list[tuple[str, torch.Tensor]]:
-        """:meth:`export_weights` of ``module`` (the policy, the critic) of architecture ``arch``; the parameters
-        named in ``raw`` are held whole on every TP rank and come under their Megatron names (a value head)."""
+                      raw: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`export_weights` of ``module`` (the policy, the critic) of architecture ``arch``, lazily; the
+        parameters named in ``raw`` are held whole on every TP rank and come under their Megatron names (a value
+        head), last. A generator: each parameter is gathered when the previous one's HF tensors were taken, so the
+        stage leader holds one parameter's gathered parts at a time (an MoE layer's experts in the transformers
+        layout, which stacks them), not the stage."""
         from milehpc.train.megatron import convert
         from milehpc.train.megatron.model import expert_offset, layer_offset
 
         leader = self.tp_rank == 0 and self.dp_rank == 0
         expert_gather = arch.is_moe and self.ps.get_expert_model_parallel_world_size() > 1
-        full: list[tuple[str, torch.Tensor]] = []
         kept: list[tuple[str, torch.Tensor]] = []
-        for name, p in module.named_parameters():
-            t = (p.main_grad if grads else p).detach()
-            if name in raw:
-                kept.append((name, t.contiguous()))
-                continue
-            if ".local_experts." in name:
-                if expert_gather:
-                    parts = self._gather(t, self.ps.get_expert_model_parallel_group())
-                    local = len(module.decoder.layers[0].mlp.experts.local_experts)
-                    idx = int(name.split(".local_experts.")[1].split(".")[0])
-                    for r, part in enumerate(parts):
-                        full.append((name.replace(f".local_experts.{idx}.", f".local_experts.{r * local + idx}."),
-                                     part))
+
+        def full() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, p in module.named_parameters():
+                t = (p.main_grad if grads else p).detach()
+                if name in raw:
+                    kept.append((name, t))
                     continue
-                full.append((name, t))  # experts are not TP-split (expert_tensor_parallel_size = 1)
-                continue
-            if self.dp_rank != 0:
-                continue
-            if convert.tp_dim(name) is not None and self.tp > 1:
-                t = convert.tp_gather(name, self._gather(t, self.ps.get_tensor_model_parallel_group()))
-            full.append((name, t))
+                if ".local_experts." in name:
+                    if expert_gather:
+                        parts = self._gather(t, self.ps.get_expert_model_parallel_group())
+                        local = len(module.decoder.layers[0].mlp.experts.local_experts)
+                        idx = int(name.split(".local_experts.")[1].split(".")[0])
+                        for r, part in enumerate(parts):
+                            yield name.replace(f".local_experts.{idx}.", f".local_experts.{r * local + idx}."), part
+                        continue
+                    yield name, t  # experts are not TP-split (expert_tensor_parallel_size = 1)
+                    continue
+                if self.dp_rank != 0:
+                    continue
+                if convert.tp_dim(name) is not None and self.tp > 1:
+                    t = convert.tp_gather(name, self._gather(t, self.ps.get_tensor_model_parallel_group()))
+                yield name, t
+
         if not leader:
-            return []
-        glob = convert.rename_layers(full, layer_offset(module), 0 if expert_gather else expert_offset(arch))
+            for _ in full():  # the gathers are collectives: take part, keep nothing
+                pass
+            return
+        glob = convert.rename_layers(full(), layer_offset(module), 0 if expert_gather else expert_offset(arch))
         # On the trainer's device, not the host: the SGLang update group is NCCL, which takes CUDA tensors only
         # (issue 30, fault 1), and the other consumers copy where they need (a host snapshot, the sync's buckets).
-        return [(n, t.contiguous()) for n, t in convert.to_hf(glob, arch, moe_layout=moe_layout)] + kept
+        for n, t in convert.to_hf(glob, arch, moe_layout=moe_layout):
+            yield n, t.contiguous()
+        for n, t in kept:
+            yield n, t.contiguous()
 
     @staticmethod
     def _gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
