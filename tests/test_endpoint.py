@@ -163,6 +163,12 @@ SECOND_PROCESS = textwrap.dedent("""
            "chat": post("/v1/chat/completions", {"Authorization": "Bearer " + token}),
            "text": post("/v1/completions", {"Authorization": "Bearer " + token},
                         json.dumps({"prompt": "hi", "max_tokens": 3}).encode())}
+    msgs = [{"role": "user", "content": "hi"}]
+    bad = {"n_text": {"n": "2"}, "n_huge": {"n": 100000}, "tools": {"tools": [{"name": "calc"}]},
+           "top_p_0": {"top_p": 0}, "seed_text": {"seed": "s"}, "temperature_neg": {"temperature": -1}}
+    for key, extra in bad.items():
+        out["bad_" + key] = post("/v1/chat/completions", {"Authorization": "Bearer " + token},
+                                 json.dumps({"model": "policy", "messages": msgs, **extra}).encode())
     print(json.dumps(out))
 """)
 
@@ -187,6 +193,11 @@ def test_a_second_process_without_the_token_is_refused_and_with_it_is_served(end
     assert len(choice["logprobs"]["content"]) == len(ids) and all(c["logprob"] <= 0 for c in choice["logprobs"]["content"])
     status, text = out["text"]
     assert status == 200 and 1 <= len(text["choices"][0]["milehpc"]["token_ids"]) <= 3
+    # Malformed requests get 400 and a message naming the field, not a server error.
+    for key in ("n_text", "n_huge", "tools", "top_p_0", "seed_text", "temperature_neg"):
+        status, body = out["bad_" + key]
+        field = key.split("_")[0]
+        assert status == 400 and field in body["error"]["message"], (key, out["bad_" + key])
 
 
 def test_between_rollouts_the_endpoint_does_not_generate(endpoint) -> None:

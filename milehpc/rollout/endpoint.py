@@ -48,6 +48,14 @@ class RequestError(Exception):
         self.status, self.code = status, code
 
 
+# The most choices one request may ask for (``n``): each is a sample in the engine's next batch.
+MAX_CHOICES = 64
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _error(status: int, message: str, code: str) -> Any:
     from aiohttp import web
 
@@ -258,6 +266,26 @@ class Endpoint:
             raise RequestError(400, "streaming is not supported (stream must be false)")
         return body
 
+    def _count(self, body: dict[str, Any]) -> int:
+        """``n``: how many choices; bounded, as each one is a sample of the engine's batch."""
+        n = body.get("n", 1)
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise RequestError(400, f"expected n to be an integer from 1 to {MAX_CHOICES}, got {n!r}")
+        return n
+
+    def _tool_names(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, list[str] | None]:
+        """The request's tools (OpenAI's ``{"type": "function", "function": {"name": ...}}``) and their names."""
+        tools = body.get("tools") or None
+        if tools is None:
+            return None, None
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) for t in tools):
+            raise RequestError(400, "expected tools to be a list of {\"type\": \"function\", \"function\": "
+                                    "{\"name\": ...}} objects")
+        return tools, [t["function"]["name"] for t in tools]
+
     def _sampling(self, body: dict[str, Any], episode: bool) -> SamplingParams:
         sp = self.sampling
         stop = body.get("stop") or []
@@ -267,10 +295,16 @@ class Endpoint:
             raise RequestError(400, f"expected max_tokens to be a positive integer, got {limit!r}")
         if episode:  # recorded: the job's sampling, so the trainer's logprobs are of the same distribution
             return replace(sp, max_new_tokens=min(limit, sp.max_new_tokens), stop=[*sp.stop, *stop], n=1)
-        temperature = body.get("temperature")
+        temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
+        if temperature is not None and (not _number(temperature) or temperature < 0):
+            raise RequestError(400, f"expected temperature to be a number >= 0, got {temperature!r}")
+        if top_p is not None and (not _number(top_p) or not 0 < top_p <= 1):
+            raise RequestError(400, f"expected top_p to be a number in (0, 1], got {top_p!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError(400, f"expected seed to be an integer, got {seed!r}")
         return replace(sp, max_new_tokens=limit, stop=[*sp.stop, *stop],
                        temperature=sp.temperature if temperature is None else float(temperature),
-                       top_p=float(body.get("top_p") or sp.top_p), seed=body.get("seed"), n=1)
+                       top_p=sp.top_p if top_p is None else float(top_p), seed=seed, n=1)
 
     def _choice_logprobs(self, reply: Sample) -> dict[str, Any]:
         tok = getattr(self.tokenizer, "tok", None)
@@ -290,10 +324,9 @@ class Endpoint:
             raise RequestError(400, "expected messages to be a non-empty list")
         if self.renderer is None:
             raise RequestError(400, "the model's tokenizer has no chat template: use /v1/completions")
-        tools = body.get("tools") or None
-        names = [t["function"]["name"] for t in tools] if tools else None
+        tools, names = self._tool_names(body)
         eid = request.match_info.get("episode")
-        n = int(body.get("n") or 1)
+        n = self._count(body)
         if eid is None:
             ids = self.renderer.start(messages, tools)
             sp = self._sampling(body, episode=False)
@@ -366,7 +399,7 @@ class Endpoint:
         else:
             raise RequestError(400, "expected prompt to be a string or a list of token ids")
         sp = self._sampling(body, episode=False)
-        n = int(body.get("n") or 1)
+        n = self._count(body)
         replies = await asyncio.gather(*(self.batcher.generate(Sample(prompt_ids=list(ids)), sp) for _ in range(n)))
         version = self.engine.weight_version()
         choices = [{"index": i, "text": self._reply_text(r),
