@@ -420,10 +420,12 @@ def sync_buffers(job: JobSpec) -> Item | None:
     if job.resources.colocate or job.trainer.lora is not None:
         return None
     from milehpc import plugins
+    from milehpc.config.families import CHECKPOINT_MOE_ENGINES
 
     direct = plugins.lookup("engine", job.rollout.engine).direct_weight_sync
     s, _ = model_shape(job)
-    sizes = [n * _wire_bytes(job) for n in _tensor_elements(s, stacked=job.rollout.engine != "sglang")]
+    stacked = job.rollout.engine not in CHECKPOINT_MOE_ENGINES
+    sizes = [n * _wire_bytes(job) for n in _tensor_elements(s, stacked=stacked)]
     bucket = SYNC_BUCKET_BYTES
     if direct:  # SGLang: consecutive tensors up to a bucket; a bigger one alone
         held = [max(max(sizes), min(sum(sizes), bucket))]

@@ -11,7 +11,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from milehpc.config.families import FAMILIES, check_family, folder_model_type, random_model_type
+from milehpc.config.families import (
+    CHECKPOINT_MOE_ENGINES,
+    FAMILIES,
+    check_family,
+    folder_model_type,
+    random_model_type,
+)
 from milehpc.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -194,7 +200,6 @@ def save_model(model: Any, path: str | Path) -> None:
 # map experts through ``FusedMoE.make_expert_params_mapping`` (``experts.{e}.gate_proj.`` -> ``experts.w13_``...)
 # and skip any name their parameters lack without a word, so stacked names would leave the experts as loaded.
 MOE_LAYOUTS = ("transformers", "checkpoint")
-CHECKPOINT_MOE_ENGINES = frozenset({"sglang"})  # rollout engines that load the checkpoint's MoE names
 _STACKED = re.compile(r"^(?P<pre>(?:.*\.)?layers\.\d+\.)mlp\.experts\.(?P<which>gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^(?P<pre>(?:.*\.)?layers\.\d+\.)mlp\.gate\.weight$")
 

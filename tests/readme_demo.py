@@ -31,3 +31,21 @@ def learned(records: list[dict]) -> tuple[float, float]:
     """Mean exact-match reward of the first and of the last 10 steps."""
     rewards = [r["rollout/reward_mean"] for r in records]
     return sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+
+
+def assert_engine_demo_learns(tmp_path: Path, engine: str, target: float, steps: int) -> None:
+    """The README's demo line for rollout engine ``engine`` (1 rollout rank + 1 trainer rank) run to ``target``
+    within ``steps``: it starts at <= 0.3, gets there, never restarts its engine, and its last batch came from the
+    weights synced one step before (one-step-off)."""
+    from milehpc.samples.dumps import read_rollouts
+
+    records, run_dir = run_readme_demo(tmp_path, f'rollout.engine="{engine}"', "--set", f"run.target_reward={target}",
+                                       "--set", f"run.steps={steps}")
+    start, end = learned(records)
+    assert start <= 0.3 and end >= target and len(records) < steps, (start, end, len(records))
+    job = json.loads((run_dir / "job.json").read_text())
+    assert job["rollout"]["engine"] == engine and job["run"]["target_reward"] == target
+    assert json.loads((run_dir / "plan.json").read_text())["world_size"] == 2
+    assert all(r["rollout/engine_restarts"] == 0 for r in records)
+    last = len(records) - 1
+    assert {s.weight_version for s in read_rollouts(run_dir, last)[0]} == {last - 1}

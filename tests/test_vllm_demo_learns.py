@@ -6,11 +6,10 @@ never reaching the engine) stays near its start, ~0.2."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from readme_demo import learned, run_readme_demo
+from readme_demo import assert_engine_demo_learns
 from vllm_real import require_real_vllm
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow(minutes=1), pytest.mark.timeout(1500)]
@@ -21,16 +20,4 @@ STEPS = 400  # the README's 0.8 took 261 steps: a run that stops learning fails 
 
 def test_the_readmes_vllm_demo_command_learns(tmp_path: Path) -> None:
     require_real_vllm()
-    records, run_dir = run_readme_demo(tmp_path, 'rollout.engine="vllm"', "--set", f"run.target_reward={TARGET}",
-                                       "--set", f"run.steps={STEPS}")
-    start, end = learned(records)
-    assert start <= 0.3 and end >= TARGET and len(records) < STEPS, (start, end, len(records))
-    job = json.loads((run_dir / "job.json").read_text())
-    assert job["rollout"]["engine"] == "vllm" and job["run"]["target_reward"] == TARGET
-    assert json.loads((run_dir / "plan.json").read_text())["world_size"] == 2
-    assert all(r["rollout/engine_restarts"] == 0 for r in records)
-    from milehpc.samples.dumps import read_rollouts
-
-    # The last batch came from the weights the trainer synced into the engine one step before (one-step-off).
-    last = len(records) - 1
-    assert {s.weight_version for s in read_rollouts(run_dir, last)[0]} == {last - 1}
+    assert_engine_demo_learns(tmp_path, "vllm", TARGET, STEPS)

@@ -63,6 +63,9 @@ VISION_FAMILIES: dict[str, Family] = {
 
 # What [model].arch may name: the dense families (num_experts > 0 builds their MoE sibling where they have one).
 RANDOM_ARCHS = ("qwen2", "qwen3", "llama", "mistral")
+# Rollout engines that load a MoE checkpoint's own names (one tensor per expert and projection); the others run
+# transformers' classes, which hold the experts stacked (milehpc.models.engine_moe_layout, memory.sync_buffers).
+CHECKPOINT_MOE_ENGINES = frozenset({"sglang"})
 
 
 def supported_text() -> str:
