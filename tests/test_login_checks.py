@@ -193,6 +193,26 @@ def test_a_reward_models_folder_is_looked_for_before_the_job_queues(tmp_path: Pa
     _ok(_cli(*args))
 
 
+def test_relative_inputs_reach_the_ranks_as_absolute_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The login check reads relative inputs from here; the ranks run in the run directory: job.json must hold the
+    paths the check looked at (a prompt file, a judge folder inside ``combine``, a PYTHONPATH entry), while absolute
+    paths, task sources and compute-node-only inputs stay as written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "abc"}\n')
+    (tmp_path / "judge").mkdir()
+    (tmp_path / "judge" / "config.json").write_text("{}")
+    (tmp_path / "lib").mkdir()
+    rewards = "[{name = 'format'}, {name = 'judge', gate = 'format', params = {path = 'judge'}}]"
+    prep = prepare(str(VALID_JOB), "local", ("data.source='data/train.jsonl'", "reward.name='combine'",
+                                             f"reward.params={{rewards = {rewards}}}",
+                                             "env.PYTHONPATH='lib:/opt/site-lib'"), run_dir=str(tmp_path / "run"))
+    assert prep.job.data.source == str(tmp_path / "data" / "train.jsonl")
+    assert prep.job.reward.params["rewards"][1]["params"]["path"] == str(tmp_path / "judge")
+    assert prep.job.env["PYTHONPATH"] == f"{tmp_path / 'lib'}:/opt/site-lib"
+    assert prepare(str(VALID_JOB), "local", (), run_dir=str(tmp_path / "run")).job.data.source == "task:sort"
+
+
 # ---- item 8: the smaller CLI items ----------------------------------------------------------------------------
 
 def test_status_without_jobs_is_no_error(tmp_path: Path) -> None:

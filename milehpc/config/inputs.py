@@ -114,6 +114,47 @@ def check_inputs(job: JobSpec, partition: Partition, *, file: str | None = None)
         check_vocabulary(job, file=file)
 
 
+def absolute_inputs(job: JobSpec) -> JobSpec:
+    """The job with every relative input path that exists here (and each relative ``[env] PYTHONPATH`` entry) made
+    absolute against this directory: :func:`check_inputs` looked them up here, while the ranks run in the run
+    directory, where a relative path names something else (or nothing)."""
+    from milehpc.config.load import job_from_dict
+    from milehpc.config.schema import to_dict
+
+    data = to_dict(job)
+    declared = set(job.resources.compute_only_inputs)
+    changed = False
+    for field, path, _ in job_inputs(job):
+        local = Path(path)
+        if field not in declared and not local.is_absolute() and not path.startswith("~") and local.exists():
+            changed |= _set_field(data, field, str(local.absolute()))
+    entries = job.env.get("PYTHONPATH", "").split(os.pathsep)
+    absolute = [str(Path(e).absolute()) if e and not os.path.isabs(e) and "$" not in e and Path(e).exists() else e
+                for e in entries]
+    if absolute != entries:
+        data["env"]["PYTHONPATH"] = os.pathsep.join(absolute)
+        changed = True
+    return job_from_dict(data) if changed else job
+
+
+def _set_field(data: dict[str, Any], field: str, value: str) -> bool:
+    """Set ``a.b[2].c`` (a field name as :func:`job_inputs` spells it) in the job's dict; False where it is not one."""
+    keys: list[str | int] = []
+    for part in field.split("."):
+        name, *indexes = re.split(r"\[(\d+)\]", part)
+        keys += [name, *(int(i) for i in indexes if i)]
+    node: Any = data
+    for key in keys[:-1]:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return False
+    if not isinstance(node, dict) or not isinstance(node.get(keys[-1]), str):
+        return False
+    node[keys[-1]] = value
+    return True
+
+
 def _under_compute_only(path: str, partition: Partition, *, file: str | None, field: str) -> None:
     roots = [os.path.expandvars(r) for r in partition.compute_only_paths]
     full = os.path.normpath(os.path.expandvars(os.path.expanduser(path)))

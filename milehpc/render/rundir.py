@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from milehpc.config.inputs import check_inputs
+from milehpc.config.inputs import absolute_inputs, check_inputs
 from milehpc.config.job import JobSpec, wandb_mode
 from milehpc.config.load import job_label, load_job, load_site
 from milehpc.config.rules import check_job_rules, check_site_rules
@@ -86,6 +86,9 @@ def prepare(job_file: str, site_name: str, overrides: tuple[str, ...] = (), *, r
     check_sandbox(resolve_sandbox(to_dict(job.sandbox), to_dict(partition.sandbox)),
                   file=job_label(job_file, overrides))
     rdir = Path(run_dir).expanduser().absolute() if run_dir else default_run_dir(job)
+    # Checked (and named in any refusal) as written; the ranks run in the run directory, where a relative input
+    # would name something else: they get the paths looked at here.
+    job = absolute_inputs(job)
     inputs = ScriptInputs(job=job, plan=plan, partition=partition, run_dir=str(rdir),
                           container_argv=container_argv(job, plan, partition, rdir, job_file), job_file=job_file,
                           mpirun=mpirun)
