@@ -9,8 +9,9 @@ Per pair it prints, from the run's own metrics (medians over the steps after the
   the update: ``trainer.mini_batch_size`` makes two optimizer steps per batch, so PPO's old log-probs are computed,
   ``time/train_prepare``) and training tokens/s (forward, backward and optimizer over the rest of the step);
 * weight sync: the bytes on the wire, GB/s of the whole sync (``time/sync``: the export's gathers and conversions
-  are streamed into it) against a flat gloo broadcast of the same bytes between two processes timed here (goal:
-  >= 0.9), and the export's share (``time/sync_export``);
+  are streamed into it) against a flat gloo broadcast of the same bytes between two processes timed here, 3 times
+  just before and 3 times just after the run (the median: the load drifts; goal >= 0.9), and the export's share
+  (``time/sync_export``);
 * checkpoint write and read GB/s: the run's last checkpoint read back and written again here (rank files with
   ``torch.load`` and milehpc's durable writer, Megatron's dist-checkpoint shards as bytes with an fsync; read from the
   page cache, so the read figure is an upper bound);
@@ -157,39 +158,56 @@ def plan_estimate(work: Path, label: str) -> dict[str, int]:
 
 
 # ---- side measurements --------------------------------------------------------------------------------------------
-def _flat_worker(rank: int, store: str, nbytes: int, reps: int, out: Any) -> None:
+def _flat_worker(rank: int, store: str, orders: Any, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(reps + 1):  # the first one warms the connection and the pages up
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.broadcast(buf, 0)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    if rank == 0:
-        out.put(statistics.median(times[1:]))
+    while (order := orders.get()) is not None:
+        nbytes, reps = order
+        buf = torch.zeros(nbytes, dtype=torch.uint8)  # (freed between orders: nothing held during the run)
+        times = []
+        for _ in range(reps + 1):  # the first one warms the connection and the pages up
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.broadcast(buf, 0)
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        del buf
+        if rank == 0:
+            out.put(times[1:])
     dist.destroy_process_group()
 
 
-def flat_broadcast_s(nbytes: int, work: Path, reps: int = 3) -> float:
-    """Seconds of one flat gloo broadcast of ``nbytes`` between two processes (the sync's yardstick), median."""
-    import torch.multiprocessing as mp
+class FlatBroadcast:
+    """The sync's yardstick: flat gloo broadcasts of one byte tensor between two processes, into a buffer the
+    receiver reuses (as the sync receives into the engine's parameters). The two processes start once and are asked
+    again after the run (a second start cost ~6-10 s on the loaded CI machine)."""
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    store = work / f"flat-{time.time_ns()}"
-    procs = [ctx.Process(target=_flat_worker, args=(r, str(store), nbytes, reps, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = q.get(timeout=1800)
-    for p in procs:
-        p.join()
-    return got
+    def __init__(self, work: Path) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.out = ctx.Queue()
+        self.orders = [ctx.Queue(), ctx.Queue()]
+        store = work / f"flat-{time.time_ns()}"
+        self.procs = [ctx.Process(target=_flat_worker, args=(r, str(store), self.orders[r], self.out))
+                      for r in range(2)]
+        for p in self.procs:
+            p.start()
+
+    def seconds(self, nbytes: int, reps: int = 3) -> list[float]:
+        """Seconds of each of ``reps`` broadcasts of ``nbytes``."""
+        for q in self.orders:
+            q.put((nbytes, reps))
+        return self.out.get(timeout=1800)
+
+    def close(self) -> None:
+        for q in self.orders:
+            q.put(None)
+        for p in self.procs:
+            p.join()
 
 
 def checkpoint_rates(rdir: Path, work: Path) -> dict[str, float]:
@@ -244,7 +262,18 @@ def measure(pair: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     d = args.width_div
     model = {**QWEN25_05B, "num_layers": args.layers, "hidden_size": QWEN25_05B["hidden_size"] // d,
              "intermediate_size": QWEN25_05B["intermediate_size"] // d, "vocab_size": QWEN25_05B["vocab_size"] // d}
-    recs, peaks, rdir = run_job(work, pair, job_toml(pair, model, args))
+    text = job_toml(pair, model, args)
+    (work / f"{pair}.toml").write_text(text)
+    nbytes = sync_bytes(work, pair)
+    # The yardstick just before and just after the run (the machine's load drifts; the median of both).
+    flat = FlatBroadcast(work)
+    try:
+        flat_before = flat.seconds(nbytes)
+        recs, peaks, rdir = run_job(work, pair, text)
+        flat_after = flat.seconds(nbytes)
+    finally:
+        flat.close()
+    flat_s = statistics.median(flat_before + flat_after)
     _, base_peaks, _ = run_job(work, pair + "-baseline", job_toml(pair, BASELINE, args))
     est, base_est = plan_estimate(work, pair), plan_estimate(work, pair + "-baseline")
     steady = recs
@@ -252,8 +281,6 @@ def measure(pair: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prepare = _median(steady, "time/train_prepare") or 0.0
     compute = _median(steady, "time/train_compute") or 0.0
     sync_s, export_s = _median(steady, "time/sync"), _median(steady, "time/sync_export")
-    nbytes = sync_bytes(work, pair)
-    flat_s = flat_broadcast_s(nbytes, work)
     out: dict[str, Any] = {
         "pair": pair, "layers": args.layers, "width_div": d, "params": params(model), "steps": len(recs),
         "gen_tokens_per_s": _median(steady, "perf/gen_tokens_per_s"),
@@ -261,7 +288,8 @@ def measure(pair: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "train_tokens_per_s": tokens / (compute - prepare) if compute > prepare else None,
         "sync_bytes": nbytes, "sync_s": sync_s, "export_s": export_s, "flat_s": flat_s,
         "sync_gbps": nbytes / sync_s / GB if sync_s else None, "flat_gbps": nbytes / flat_s / GB,
-        "sync_vs_flat": flat_s / sync_s if sync_s else None,
+        "sync_vs_flat": flat_s / sync_s if sync_s else None, "flat_runs_s": flat_before + flat_after,
+        "sync_runs_s": [r["time/sync"] for r in recs if "time/sync" in r],
     }
     out.update(checkpoint_rates(rdir, work))
     ranks = {0: "trainer", 1: "rollout"}  # one trainer rank, one engine of one rank

@@ -1,15 +1,18 @@
-"""Train the tiny reward model of examples/cpu-demo-rm.toml: a Qwen2 sequence classifier that prefers the sorted
-order in the digit-sorting task (``sort:312=`` -> ``123``), saved as an HF folder (model + tokenizer) that the
-``reward_model`` reward loads with AutoModelForSequenceClassification. No downloads; the labels come from the task
-itself: half of each batch is the right answer (label 1), half a wrong order of the same digits (label 0). The
-example gates this RM with the toy_permutation rule, so wrong digits never reach it: an RM trained on every kind of
-wrong answer (changed, dropped, added digits too) reached 0.95 held-out accuracy here, and the policy still learned
-to feed it the 5% it got wrong (sorted answers with a digit changed).
+"""Train the tiny reward model of examples/cpu-demo-rm.toml: a GPT-2 sequence classifier (2 layers, 64 wide) that
+scores answers to the digit-sorting task (``sort:312=`` -> ``123``), saved as an HF folder (model + tokenizer) that
+the ``reward_model`` reward loads with AutoModelForSequenceClassification. No downloads; the data come from the task
+itself: each batch holds pairs of one prompt, its right answer and a wrong one (KINDS: a wrong order, a digit changed
+with the answer still sorted, a digit dropped or added, the prompt echoed, junk), and the RM is trained to predict a
+graded target (:func:`grade`: 1 for the right answer, 0.09-0.45 for near misses, ~0 for junk).
 
-Why sorting and not the reversal of examples/cpu-demo.toml: a right sorted order is local (each digit no larger than
-the next), which a 2-layer classifier learns in a few hundred steps; telling a right reversal from another order
-needs each answer digit matched with its mirror position in the prompt, which the same classifier had not learned
-after 400 steps (~0.7 accuracy against every kind of wrong answer, 0.51 against wrong orders only).
+The example trains its policy against this RM alone, so the RM has to catch the policy's near misses by itself. What
+it took: the sorted answers with a digit changed (what the policy fooled earlier RMs with, and which only a
+comparison of the answer's digits with the prompt's tells) as 8 of 14 wrong answers, the graded target rather than
+0/1 (every wrong answer then teaches the RM to count digits), and 1000 steps. In trials with a GPT-2 classifier of
+the same size, held-out preference accuracy against that kind was 0.94 after 400 and 600 steps; a policy trained
+against the 400-step one climbed to ~0.6 exact match and stayed there while the RM's score rose to ~0.86 (it had
+found the RM's misses); with 0/1 targets the RM needed ~1500 steps to teach the policy (0.14 -> 0.85 exact match in
+223 steps).
 
     .venv/bin/python examples/sort_rm.py runs/sort-rm        # then: milehpc run examples/cpu-demo-rm.toml --site local
 """
@@ -42,21 +45,31 @@ def save_tokenizer(out: Path) -> Any:
 
 
 def rm_config(vocab_size: int, hidden: int = 64) -> Any:
-    from transformers import Qwen2Config
+    """A GPT-2 classifier, no dropout (the data are endless). A Qwen2 one of the same size trained the same way taught
+    the policy for seed 0 (0.8 in 190 steps), but for seed 1 it was 0.91 against the changed-digit near misses and
+    fooled (exact match 0.53-0.65 at steps 220-260 while its score was 0.80-0.85); GPT-2: 0.98-1.0, seeds 0-2."""
+    from transformers import GPT2Config
 
-    return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=32,
-                       pad_token_id=0, eos_token_id=2, bos_token_id=None, num_labels=1)
+    return GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=2, n_head=4, n_inner=2 * hidden, n_positions=32,
+                      pad_token_id=0, eos_token_id=2, bos_token_id=2, num_labels=1, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 def answer(s: str) -> str:
     return "".join(sorted(s))
 
 
-class Examples:
-    """Prompts of the task (``min_len``..``max_len`` digits) with correct and corrupted answers."""
+JUNK = DIGITS + "abcxyz +-"  # what an untrained policy also prints (letters read as <unk> here)
+# The wrong answers the RM is trained against, and how often: mostly the near misses a learning policy makes, above
+# all those that are still in sorted order (right order, wrong digits), which only a comparison with the prompt's
+# digits can tell apart.
+KINDS = {"order": 2, "changed": 8, "dropped": 1, "added": 1, "echo": 1, "junk": 1}
 
-    def __init__(self, seed: int, min_len: int = 4, max_len: int = 5) -> None:
+
+class Examples:
+    """Prompts of the task (``min_len``..``max_len`` digits) with right answers and wrong ones of each kind."""
+
+    def __init__(self, seed: int, min_len: int = 3, max_len: int = 3) -> None:
         self.rng = random.Random(seed)
         self.min_len, self.max_len = min_len, max_len
 
@@ -66,39 +79,61 @@ class Examples:
     def prompt(self) -> str:
         return self.digits(self.rng.randint(self.min_len, self.max_len))
 
-    def corrupt(self, s: str) -> str | None:
-        """A wrong order of the digits ``s``, or None when there is none (all digits alike). Only orders: the example
-        gates the RM with the toy_permutation rule, so the RM never scores an answer with other digits; half the
-        wrong orders are one swap of neighbours away from sorted, the near misses of a learning policy."""
-        right = answer(s)
-        if len(set(s)) < 2:
-            return None
-        while True:
-            a = list(right)
-            if self.rng.random() < 0.5:
-                i = self.rng.randrange(len(a) - 1)
+    def wrong(self, s: str, kind: str) -> str:
+        """A wrong answer to the prompt ``s`` of ``kind`` (see KINDS); may be the right one by chance."""
+        right, rng = answer(s), self.rng
+        a = list(right)
+        if kind == "order":
+            if rng.random() < 0.5:
+                i = rng.randrange(len(a) - 1)
                 a[i], a[i + 1] = a[i + 1], a[i]
             else:
-                self.rng.shuffle(a)
-            if a != list(right):
-                return "".join(a)
+                rng.shuffle(a)
+            return "".join(a)
+        if kind == "changed":  # one digit another, in sorted order: only the prompt's digits tell it is wrong
+            a[rng.randrange(len(a))] = rng.choice(DIGITS)
+            return "".join(sorted(a))
+        if kind == "dropped":
+            del a[rng.randrange(len(a))]
+            return "".join(a)
+        if kind == "added":
+            a.insert(rng.randrange(len(a) + 1), rng.choice(DIGITS))
+            return "".join(sorted(a) if rng.random() < 0.5 else a)
+        if kind == "echo":
+            return s
+        return "".join(rng.choice(JUNK) for _ in range(rng.randint(0, 6)))
 
-    def labelled(self, n: int) -> tuple[list[str], list[float]]:
-        """``n`` texts (prompt + answer), half right (label 1), half wrong (0)."""
-        texts, labels = [], []
+    def labelled(self, n: int, kind: str | None = None) -> tuple[list[str], list[float]]:
+        """``n`` texts (prompt + answer) in pairs of one prompt, its right answer and a wrong one (of ``kind``, else
+        drawn by KINDS), with their targets (:func:`grade`). Both answers of a pair in one batch: their difference
+        is all that tells them apart, which is what the RM has to learn."""
+        texts, targets = [], []
+        kinds, weights = list(KINDS), list(KINDS.values())
         while len(texts) < n:
             s = self.prompt()
-            ok = len(texts) % 2 == 0
-            reply = answer(s) if ok else self.corrupt(s)
-            if reply is not None:
-                texts.append(f"sort:{s}={reply}")
-                labels.append(float(ok))
-        return texts, labels
+            reply = self.wrong(s, kind or self.rng.choices(kinds, weights)[0])
+            if reply != answer(s):
+                texts += [f"sort:{s}={answer(s)}", f"sort:{s}={reply}"]
+                targets += [1.0, grade(s, reply)]
+        return texts, targets
 
 
-def train(out: Path, *, steps: int = 300, lr: float = 3e-3, batch: int = 64, seed: int = 0, min_len: int = 3,
+def grade(s: str, reply: str) -> float:
+    """The RM's target for ``reply`` to the prompt ``s``, in [0, 1]: 1 for the right answer only, else lower the more
+    of the prompt's digits are missing or extra and lower still out of order. Graded rather than 0/1 so that every
+    wrong answer teaches the RM to count digits (the part of the check that is hard to learn), and the policy gets a
+    score that climbs as its answers get closer."""
+    if reply == answer(s):
+        return 1.0
+    common = sum(min(s.count(d), reply.count(d)) for d in set(s))
+    overlap = common / max(len(s), len(reply))
+    return 0.8 * overlap**2 * (1.0 if reply == answer(reply) else 0.5)
+
+
+def train(out: Path, *, steps: int = 1000, lr: float = 1e-3, batch: int = 64, seed: int = 0, min_len: int = 3,
           max_len: int = 3, log: Any = print) -> dict[str, float]:
-    """Train the RM and save it in ``out``; returns its accuracy on fresh held-out examples and the seconds taken."""
+    """Train the RM and save it in ``out``; returns its held-out accuracies (:func:`held_out_accuracy`) and the
+    seconds taken."""
     import torch
 
     threads = torch.get_num_threads()
@@ -113,43 +148,54 @@ def _train(out: Path, *, steps: int, lr: float, batch: int, seed: int, min_len: 
            log: Any) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
-    from transformers import Qwen2ForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     out.mkdir(parents=True, exist_ok=True)
     tok = save_tokenizer(out)
     data = Examples(seed, min_len, max_len)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    rm = Qwen2ForSequenceClassification(rm_config(len(tok)))
+    rm = AutoModelForSequenceClassification.from_config(rm_config(len(tok)))
     opt = torch.optim.AdamW(rm.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - k / steps)  # linear decay: a steadier end
     for step in range(steps):
         texts, ys = data.labelled(batch)
         enc = tok(texts, padding=True, return_tensors="pt")
         logits = rm(**enc).logits[:, 0]
-        loss = F.binary_cross_entropy_with_logits(logits, torch.tensor(ys))
+        loss = F.binary_cross_entropy_with_logits(logits, torch.tensor(ys))  # soft targets: the graded score
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
-        if step % 50 == 0:
+        if step % 100 == 0:
             log(f"rm step {step}: loss {loss.item():.3f} ({time.perf_counter() - t0:.1f} s)")
     rm.eval()
-    held_out = Examples(seed + 1, min_len, max_len)
-    texts, ys = held_out.labelled(1024)
-    with torch.no_grad():
-        logits = rm(**tok(texts, padding=True, return_tensors="pt")).logits[:, 0]
-    accuracy = float(((logits > 0).float() == torch.tensor(ys)).float().mean())
+    figures = held_out_accuracy(rm, tok, Examples(seed + 1, min_len, max_len))
     rm.save_pretrained(out)
     seconds = time.perf_counter() - t0
-    log(f"reward model in {out}: held-out accuracy {accuracy:.3f} ({seconds:.1f} s)")
-    return {"accuracy": accuracy, "seconds": seconds}
+    log(f"reward model in {out} ({seconds:.1f} s), held-out accuracy: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
+    return {**figures, "seconds": seconds}
+
+
+def held_out_accuracy(rm: Any, tok: Any, data: Examples, n: int = 256) -> dict[str, float]:
+    """The RM's preference accuracy on fresh pairs (the right answer scored above a wrong one of the same prompt):
+    ``accuracy`` over pairs drawn like the training batches, and one figure per kind of wrong answer."""
+    import torch
+
+    def accuracy(kind: str | None) -> float:
+        texts, _ = data.labelled(2 * n, kind)
+        with torch.no_grad():
+            logits = rm(**tok(texts, padding=True, return_tensors="pt")).logits[:, 0]
+        return float((logits[0::2] > logits[1::2]).float().mean())
+
+    return {"accuracy": accuracy(None), **{kind: accuracy(kind) for kind in KINDS}}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="folder to write the RM into")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     train(args.out, steps=args.steps, seed=args.seed)

@@ -2,10 +2,12 @@
 tests/vl_models.py, no downloads) and a generated visual task in verl's Parquet layout: "what digit is drawn?" over
 16 x 16 images of one digit drawn with Pillow at a few offsets; the label is the digit.
 
-    python examples/vl_digits_data.py OUT        # writes OUT/model/ and OUT/digits.parquet; OUT absolute (the
-                                                 # ranks run in the run directory), e.g. "$PWD/vl-digits"
-    milehpc run examples/vl_digits.toml --site local --set model.path=OUT/model --set model.tokenizer=OUT/model \\
-        --set data.source=OUT/digits.parquet
+    python examples/vl_digits_data.py OUT [FAMILY]   # writes OUT/model/ and OUT/digits.parquet; OUT = runs/vl-digits
+                                                     # is where examples/vl_digits.toml looks (relative paths are
+                                                     # read from where milehpc runs);
+                                                     # FAMILY: qwen2_5_vl (default), qwen3_vl or qwen3_vl_moe
+    milehpc run examples/vl_digits.toml --site local [--set model.path=OUT/model --set model.tokenizer=OUT/model \\
+        --set data.source=OUT/digits.parquet]
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ def write_task(path: Path) -> Path:
     return path
 
 
-def main(out: Path) -> None:
+def main(out: Path, family: str = "qwen2_5_vl") -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from vl_models import save_tiny_vl
 
     out.mkdir(parents=True, exist_ok=True)
-    save_tiny_vl(out / "model")
+    save_tiny_vl(out / "model", family=family)
     write_task(out / "digits.parquet")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *sys.argv[2:3])

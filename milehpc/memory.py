@@ -60,6 +60,7 @@ tests/test_memory.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -90,7 +91,7 @@ TIGHT = 0.9
 COLOCATED = "colocated"  # the role of a rank that holds its trainer and its engine at once
 NODE = "node"  # a CPU node: its ranks together against its host memory
 # What --force-only NAME overrides; bare --force (True, or "memory") overrides every memory check.
-FORCE_CHECKS = {f"{role}-memory": role for role in ("trainer", "rollout", COLOCATED, NODE)}
+FORCE_CHECKS = {f"{role}-memory": role for role in ("trainer", "rollout", "reward", COLOCATED, NODE)}
 MEMINFO = Path("/proc/meminfo")
 CPU_NOTE = "CPU: checked with its node's ranks against the host memory (node)"
 # Prompt tokens of the toy tasks besides their digits: BOS, "sort:" ... "=" (BOS, "add:" a "+" b "=").
@@ -112,10 +113,15 @@ class Shape:
     experts: int = 0
     moe_ffn: int = 0
     shared_ffn: int = 0
+    vision_tower: tuple[int, ...] = ()  # a vision-language model's: its tensors' element counts (milehpc.config.vision_shape)
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def vision(self) -> int:
+        return sum(self.vision_tower)
 
 
 @dataclass(frozen=True)
@@ -182,6 +188,13 @@ def model_shape(job: JobSpec, vocab_size: int | None = None) -> tuple[Shape, lis
             cfg = {}
     elif m.path:
         notes.append(f"{m.path} is not readable here: the [model] table's shape is assumed")
+    vision: tuple[int, ...] = ()
+    if isinstance(cfg.get("vision_config"), dict) and isinstance(cfg.get("text_config"), dict):
+        from milehpc.config.vision_shape import vision_tower_tensors  # numbers from the config alone
+
+        vision = tuple(vision_tower_tensors(cfg))
+        cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False),  # the LM
+               "model_type": cfg.get("model_type", "")}
     vocab = vocab_size or cfg.get("vocab_size") or m.vocab_size
     if not vocab:
         if m.tokenizer == "toy":
@@ -199,6 +212,7 @@ def model_shape(job: JobSpec, vocab_size: int | None = None) -> tuple[Shape, lis
         qkv_bias=cfg.get("model_type", m.arch).startswith("qwen2"), experts=experts,
         moe_ffn=int(cfg.get("moe_intermediate_size", m.intermediate_size)) if experts else 0,
         shared_ffn=int(cfg.get("shared_expert_intermediate_size", m.intermediate_size)) if experts else 0,
+        vision_tower=vision,
     ), notes
 
 
@@ -238,8 +252,8 @@ def stage_params(s: Shape, *, tp: int = 1, pp: int = 1, ep: int = 1, megatron: b
 
 
 def engine_weights(s: Shape) -> int:
-    """Elements of the whole model (the engine holds it split over its TP ranks)."""
-    return stage_params(s)[0]
+    """Elements of the whole model, vision tower included (the engine holds it split over its TP ranks)."""
+    return stage_params(s)[0] + s.vision
 
 
 # ---- lengths -----------------------------------------------------------------------------------------------------
@@ -343,6 +357,12 @@ def trainer_items(job: JobSpec, s: Shape, *, needs_critic: bool = False, needs_t
     what = "fp32" if e == 4 else "bf16"
     items = [Item("trainer parameters", n * e, f"{n:,} params ({what}), tp={tr.tp} pp={tr.pp} ep={tr.ep}")]
     trained, trained_tensors, note = n, tensors, ""
+    if s.vision:  # a VL model's vision tower: trained (gradients and Adam moments below), or frozen (none)
+        frozen = job.model.freeze_vision or tr.lora is not None
+        items.append(Item("vision tower", s.vision * e, f"{s.vision:,} params, " + (
+            "frozen: no gradients or optimizer state" if frozen else "trained: in the gradients and optimizer state")))
+        if not frozen:
+            trained, trained_tensors = n + s.vision, tensors + len(s.vision_tower)
     if tr.lora is not None:  # the frozen base has no gradients and no optimizer state: the adapter alone has
         trained, trained_tensors = lora_params(s, tr.lora)
         items.append(Item("LoRA adapter", trained * e, f"rank {tr.lora.rank}, at most every linear layer"))
@@ -372,7 +392,7 @@ def trainer_items(job: JobSpec, s: Shape, *, needs_critic: bool = False, needs_t
                       f"{shape}, {how}" + (", sequence parallel" if tr.sequence_parallel else "")))
     extra = [] if tr.recompute == "full" else [Item("activations (full recompute)", plain_rc * act_e + fp32_rc * 4,
                                                     "each layer's input + one layer")]
-    full = stage_params(s)[0]
+    full = engine_weights(s)  # a frozen copy of the whole model
     if job.algorithm.kl_coef > 0:
         items.append(Item("KL reference model", full * e, "frozen copy"))
     if needs_teacher:
@@ -425,7 +445,8 @@ def sync_buffers(job: JobSpec) -> Item | None:
     direct = plugins.lookup("engine", job.rollout.engine).direct_weight_sync
     s, _ = model_shape(job)
     stacked = job.rollout.engine not in CHECKPOINT_MOE_ENGINES
-    sizes = [n * _wire_bytes(job) for n in _tensor_elements(s, stacked=stacked)]
+    sent = _tensor_elements(s, stacked=stacked) + ([] if job.model.freeze_vision else list(s.vision_tower))
+    sizes = [n * _wire_bytes(job) for n in sent]
     bucket = SYNC_BUCKET_BYTES
     if direct:  # SGLang: consecutive tensors up to a bucket; a bigger one alone
         held = [max(max(sizes), min(sum(sizes), bucket))]
@@ -487,6 +508,12 @@ def _engine_rank(job: JobSpec, s: Shape, partition: Partition, device: int | Non
     share = math.ceil(ro.prompts_per_step * ro.over_sample / ro.engines) * ro.n_samples
     frac = engine_fraction(job, partition)
     unknown = CPU_NOTE if partition.devices.vendor == "none" else "device memory unknown (site devices.memory_gib)"
+    if ro.engine == "vllm":  # its explicit budget (kv_cache_memory_bytes), allocated whole when the engine starts
+        from milehpc.config.vllm_options import parse_options as vllm_options
+
+        kv = Item("KV cache", int(vllm_options(ro.options).kv_cache_gib * GIB),
+                  "vLLM's, rollout.options.kv_cache_gib (allocated whole at start; requests beyond it queue)")
+        return RankMemory("rollout", [weights_item, kv], device, "device" if device else unknown)
     if ro.engine != "sglang":  # the reference engine: its share decoded as one batch, every sequence resident
         kv = Item("KV cache", share * seq * per_token, f"{share} sequences x {seq} tokens decoded as one batch "
                   "(reference engine)")
@@ -523,6 +550,69 @@ def engine_offloads(job: JobSpec, partition: Partition | None = None) -> bool:
     return job.rollout.engine == "sglang" and (partition is None or partition.devices.vendor != "none")
 
 
+# ---- the reward model ([reward_model]) ---------------------------------------------------------------------------
+# A reward rank's memory (the ranks of ``[reward_model]``, or added to each rollout rank with its colocate = rollout).
+#
+# The shape is the reward model's ``config.json`` when its folder is here, else the policy's ``[model]`` table (said in
+# a note). Both scorers load with ``from_pretrained``'s default dtype, fp32 (4 bytes an element):
+#
+# * **classifier** (``reward_model``): the body and the score head (``hidden x labels``; no output layer), and one
+#   forward pass of ``batch_size`` sequences (at most a step's) of ``prompt + max_new_tokens`` tokens without autograd: the widest
+#   layer's working set, ``(4h + 3f)`` values per token (norm, q/k/v and the SwiGLU's gate, up and product);
+# * **generative** (``judge``, on the reference engine in the scorer's process): the whole causal LM (output layer
+#   included), and the KV cache of ``batch_size`` judge prompts decoded as one batch (the template's own tokens are
+#   not counted: :func:`milehpc.memory.prompt_tokens` does not know them).
+
+SCORER_BYTES = 4  # fp32: from_pretrained's default dtype, which both scorers keep
+
+
+def reward_shape(job: JobSpec) -> tuple[Shape, list[str]]:
+    """The reward model's shape (its config.json, else the policy's [model] table) and notes."""
+    rm = job.reward_model
+    shape, notes = model_shape(dataclasses.replace(job, model=dataclasses.replace(job.model, path=rm.path)))
+    notes = [f"reward model: {n}" for n in notes]
+    if rm.kind == "classifier":  # a score head instead of the output layer: count the embedding once
+        shape = dataclasses.replace(shape, tied=True)
+    return shape, notes
+
+
+def _labels(path: str) -> int:
+    try:
+        cfg = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+        return max(1, len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 1)))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
+
+
+def reward_items(job: JobSpec) -> tuple[list[Item], list[str]]:
+    """What one scorer process holds (see the module docstring), and notes."""
+    rm = job.reward_model
+    s, notes = reward_shape(job)
+    seq = prompt_tokens(job)[0] + job.rollout.max_new_tokens
+    ro = job.rollout
+    batch = min(rm.batch_size, math.ceil(ro.prompts_per_step * ro.over_sample) * ro.n_samples)  # a step's at most
+    weights = stage_params(s)[0]
+    if rm.kind == "classifier":
+        labels = _labels(rm.path)
+        weights += s.hidden * labels
+        work = batch * seq * (4 * s.hidden + 3 * s.ffn)
+        return [Item("reward model weights", weights * SCORER_BYTES, f"classifier, fp32, {labels} label(s)"),
+                Item("scoring forward", work * SCORER_BYTES,
+                     f"{batch} sequences x {seq} tokens, the widest layer (no autograd)")], notes
+    kv = 2 * s.layers * s.kv_heads * s.head_dim * SCORER_BYTES
+    return [Item("reward model weights", weights * SCORER_BYTES, "generative judge, fp32, the whole model"),
+            Item("judge KV cache", batch * seq * kv,
+                 f"{batch} judge prompts x {seq} tokens + the template's, one batch")], notes
+
+
+def reward_rank(job: JobSpec, partition: Partition, device: int | None) -> tuple[RankMemory, list[str]]:
+    """A reward rank (its engine's first: the one that runs the scorer) against its device."""
+    items, notes = reward_items(job)
+    cpu = partition.devices.vendor == "none"
+    unknown = CPU_NOTE if cpu else "device memory unknown (site devices.memory_gib)"
+    return RankMemory("reward", items, device, "device" if device else unknown), notes
+
+
 # ---- CPU nodes ---------------------------------------------------------------------------------------------------
 
 def host_memory(partition: Partition) -> tuple[int | None, str]:
@@ -555,7 +645,8 @@ def node_memory(ranks: list[RankMemory], plan: Plan, partition: Partition) -> Ra
         counts = {"trainer": _overlap(lo, hi, 0, plan.trainer_ranks),
                   "rollout": _overlap(lo, hi, plan.rollout_first, plan.rollout_first + plan.rollout_ranks)}
         if COLOCATED in by_role:
-            counts = {COLOCATED: hi - lo}
+            counts = {COLOCATED: hi - lo - _overlap(lo, hi, plan.reward_first, plan.reward_first + plan.reward_ranks)}
+        counts["reward"] = _overlap(lo, hi, plan.reward_first, plan.reward_first + plan.reward_ranks)
         items = [Item(f"{k} {role} rank{'s' if k > 1 else ''}", k * by_role[role].total,
                       f"{k} x {size(by_role[role].total)}") for role, k in counts.items() if k and role in by_role]
         if sum(i.bytes for i in items) > sum(i.bytes for i in best):
@@ -578,6 +669,14 @@ def estimate(job: JobSpec, plan: Plan, partition: Partition, *, vocab_size: int 
     unknown = CPU_NOTE if cpu else "device memory unknown (site devices.memory_gib)"
     trainer = RankMemory("trainer", titems, device, "device" if device else unknown, extra)
     engine = engine_rank(job, shape, partition, device)
+    reward = None
+    if job.reward_model.enabled:  # [reward_model]: its own ranks, or the scorer beside each rollout engine
+        reward, reward_notes = reward_rank(job, partition, device)
+        notes += reward_notes
+        if plan.reward_colocated:
+            notes.append("reward model colocated with the rollout ranks: each engine leader holds it beside its engine")
+            engine.items += reward.items
+            reward = None
     if plan.colocated and not engine_offloads(job, partition):
         notes.append(f"colocated: the {job.rollout.engine} engine stays resident beside the trainer, so the rank "
                      "holds both")
@@ -591,6 +690,8 @@ def estimate(job: JobSpec, plan: Plan, partition: Partition, *, vocab_size: int 
         ranks = [next((r for r in (trainer, engine) if not r.fits), max(trainer, engine, key=lambda r: r.total))]
     else:
         ranks = [trainer, engine]
+    if reward is not None:
+        ranks.append(reward)
     if cpu:
         ranks.append(node_memory(ranks, plan, partition))
     return Estimate(ranks, device, notes)
@@ -676,8 +777,8 @@ def check_fits(job: JobSpec, plan: Plan, partition: Partition, *, file: str | No
     if refused is not None:
         big = refused.largest()
         fix = suggestion(job, plan, partition, refused.role, **needs)
-        field_name = {"trainer": "trainer", COLOCATED: "resources.colocate", NODE: "resources"}.get(refused.role,
-                                                                                                   "rollout")
+        field_name = {"trainer": "trainer", COLOCATED: "resources.colocate", NODE: "resources",
+                      "reward": "reward_model"}.get(refused.role, "rollout")
         raise ConfigError(f"expected {_what(refused)} to fit {(refused.budget or 0) / GIB:.1f} GiB "
                           f"({refused.budget_note}), got an estimated {_needs(refused)}, the largest item {big.name} "
                           f"{_gib(big.bytes)}; {fix}, or submit with --force-only {refused.role}-memory",

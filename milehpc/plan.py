@@ -2,7 +2,9 @@
 
 One MPI world holds both groups. Without colocation the trainer ranks come first (ranks 0..T-1, Megatron's
 order: TP fastest, then DP, then PP) and the rollout ranks follow (R = engines * gpus_per_engine, engine by
-engine). With colocation every rank is both. Each rank drives one GPU (none on CPU sites). The plan stores
+engine), then the reward-model ranks when the job has ``[reward_model]`` ranks of its own (W = engines *
+gpus_per_engine; its ``colocate = "rollout"`` puts the scorer on the rollout ranks instead). With colocation every
+trainer rank is also a rollout rank. Each rank drives one GPU (none on CPU sites). The plan stores
 only the layout's parameters, so a 10,000-node plan is as small as a 1-node one; per-rank facts are computed.
 """
 
@@ -17,7 +19,7 @@ from milehpc.config.shape import ModelShape, table_shape
 from milehpc.config.site import Partition
 from milehpc.errors import ConfigError
 
-TRAINER, ROLLOUT, BOTH = "trainer", "rollout", "both"
+TRAINER, ROLLOUT, BOTH, REWARD = "trainer", "rollout", "both", "reward"
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class RankInfo:
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
-    engine: int | None = None  # rollout engine index
+    engine: int | None = None  # rollout (or reward-model) engine index
     engine_rank: int | None = None  # rank within the engine
 
 
@@ -58,10 +60,19 @@ class Plan:
     # The site launcher's GPU binding (config.site.Launcher.gpu_binding): what each rank's process sees. Defaulted so
     # a plan.json written before the field existed still loads (it then means Slurm's usual per-task binding).
     gpu_binding: str = "per-task"
+    # The reward-model group ([reward_model]): ranks of its own after the rollout ranks, or (reward_colocated) its
+    # scorer on each rollout engine leader. Defaulted: a plan.json from before the group existed has none.
+    reward_first: int = 0
+    reward_ranks: int = 0
+    reward_engines: int = 0
+    reward_gpus_per_engine: int = 1
+    reward_colocated: bool = False
 
     # ---- per-rank facts -------------------------------------------------
     def role(self, rank: int) -> str:
         self._check(rank)
+        if self.reward_ranks and rank >= self.reward_first:
+            return REWARD
         if self.colocated:
             return BOTH
         return TRAINER if rank < self.trainer_ranks else ROLLOUT
@@ -71,6 +82,10 @@ class Plan:
 
     def is_rollout(self, rank: int) -> bool:
         return self.role(rank) in (ROLLOUT, BOTH)
+
+    def is_reward(self, rank: int) -> bool:
+        """A rank of the reward-model group's own (not a rollout rank that scores beside its engine)."""
+        return self.role(rank) == REWARD
 
     def node_of(self, rank: int) -> int:
         self._check(rank)
@@ -95,6 +110,22 @@ class Plan:
         offset = rank - self.rollout_first
         return offset // self.gpus_per_engine, offset % self.gpus_per_engine
 
+    def reward_engine_of(self, rank: int) -> tuple[int, int]:
+        """(reward-model engine index, rank within it) of a reward rank."""
+        if not self.is_reward(rank):
+            raise ValueError(f"rank {rank} is not a reward rank")
+        offset = rank - self.reward_first
+        return offset // self.reward_gpus_per_engine, offset % self.reward_gpus_per_engine
+
+    def reward_leaders(self) -> list[int]:
+        """The reward ranks that run a scorer (each engine's first)."""
+        return [self.reward_first + e * self.reward_gpus_per_engine
+                for e in range(self.reward_engines if self.reward_ranks else 0)]
+
+    def reward_leader_for(self, engine: int) -> int:
+        """The reward rank that scores rollout engine ``engine``'s samples (engines dealt round-robin)."""
+        return self.reward_leaders()[engine % self.reward_engines]
+
     def device_index(self, rank: int) -> int | None:
         """The index of this rank's GPU among the devices its process sees (None without GPUs): what
         ``torch.cuda.set_device`` and SGLang's ``base_gpu_id`` take. Per-task binding shows each rank its own GPU
@@ -116,6 +147,8 @@ class Plan:
             tp, dp, pp = self.trainer_coords(rank)
         if role in (ROLLOUT, BOTH):
             engine, engine_rank = self.engine_of(rank)
+        if role == REWARD:
+            engine, engine_rank = self.reward_engine_of(rank)
         return RankInfo(rank, role, self.node_of(rank), local, gpus, tp, pp, dp, engine, engine_rank)
 
     # ---- groups -----------------------------------------------------------
@@ -124,6 +157,9 @@ class Plan:
 
     def rollout_group(self) -> range:
         return range(self.rollout_first, self.rollout_first + self.rollout_ranks)
+
+    def reward_group(self) -> range:
+        return range(self.reward_first, self.reward_first + self.reward_ranks)
 
     def weight_sync_groups(self) -> list[dict[str, Any]]:
         """One group per pipeline stage (as slime does): that stage's leader (tp=0, dp=0) and every rollout rank.
@@ -150,9 +186,17 @@ class Plan:
             "trainer": f"ranks 0-{self.trainer_ranks - 1} (tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep})",
             "rollout": (f"ranks {self.rollout_first}-{self.rollout_first + self.rollout_ranks - 1} "
                         f"({self.engines} engine(s) x {self.gpus_per_engine})"),
+            **({"reward": self.reward_text()} if self.reward_ranks or self.reward_colocated else {}),
             "colocated": self.colocated, "backend": self.backend,
             "weight_sync_groups": len(self.weight_sync_groups()),
         }
+
+    def reward_text(self) -> str:
+        """Where the reward model runs, in words (``plan``'s summary and the job script's header)."""
+        if self.reward_colocated:
+            return f"on the rollout engine leaders ({self.engines} scorer(s))"
+        last = self.reward_first + self.reward_ranks - 1
+        return f"ranks {self.reward_first}-{last} ({self.reward_engines} engine(s) x {self.reward_gpus_per_engine})"
 
     def _check(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -174,14 +218,10 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
     if tr.tp > per_node:
         raise ConfigError(f"expected trainer.tp <= the {per_node} GPUs (ranks) of one node, got {tr.tp}",
                           file=file, field="trainer.tp")
-    if ro.gpus_per_engine > per_node and ro.gpus_per_engine % per_node:
-        raise ConfigError(
-            f"expected rollout.gpus_per_engine to fit a node ({per_node}) or be a multiple of it, got {ro.gpus_per_engine}",
-            file=file, field="rollout.gpus_per_engine")
-    if ro.gpus_per_engine <= per_node and per_node % ro.gpus_per_engine:
-        raise ConfigError(
-            f"expected rollout.gpus_per_engine to divide the {per_node} GPUs (ranks) of a node, got {ro.gpus_per_engine}",
-            file=file, field="rollout.gpus_per_engine")
+    rm = job.reward_model
+    _check_engine_size(ro.gpus_per_engine, per_node, "rollout.gpus_per_engine", file)
+    if rm.own_ranks:
+        _check_engine_size(rm.gpus_per_engine, per_node, "reward_model.gpus_per_engine", file)
     if tr.ep > 1 and (tr.dp * tr.tp) % tr.ep:
         raise ConfigError(f"expected trainer.ep to divide dp*tp ({tr.dp * tr.tp}), got {tr.ep}",
                           file=file, field="trainer.ep")
@@ -191,15 +231,15 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
     if job.resources.colocate:
         world, rollout_first = trainer_ranks, 0
     else:
-        # Engines must not straddle nodes: each engine must start on a boundary of its own size.
         rollout_first = trainer_ranks
-        align = min(ro.gpus_per_engine, per_node) if ro.gpus_per_engine <= per_node else per_node
-        if trainer_ranks % align:
-            raise ConfigError(
-                f"the trainer's {trainer_ranks} ranks leave part of a node that rollout engines of "
-                f"{ro.gpus_per_engine} GPUs cannot fill; make the trainer ranks a multiple of {align}",
-                file=file, field="rollout.gpus_per_engine")
+        _check_engine_start(trainer_ranks, ro.gpus_per_engine, per_node, "rollout", f"the trainer's {trainer_ranks}",
+                            "make the trainer ranks a multiple of", file)
         world = trainer_ranks + rollout_ranks
+    reward_first, reward_ranks = world, rm.engines * rm.gpus_per_engine if rm.own_ranks else 0
+    if reward_ranks:
+        _check_engine_start(world, rm.gpus_per_engine, per_node, "reward_model", f"the {world} trainer and rollout",
+                            "make the trainer and rollout ranks together a multiple of", file)
+        world += reward_ranks
     nodes = math.ceil(world / per_node)
     if job.resources.nodes is not None:
         if job.resources.nodes < nodes:
@@ -223,7 +263,29 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
         backend=backend, gpus_per_rank=gpus_per_rank, trainer_ranks=trainer_ranks, tp=tr.tp, pp=tr.pp, dp=tr.dp,
         ep=tr.ep, rollout_first=rollout_first, rollout_ranks=rollout_ranks, engines=ro.engines,
         gpus_per_engine=ro.gpus_per_engine, gpu_binding=partition.launcher.gpu_binding,
+        reward_first=reward_first, reward_ranks=reward_ranks, reward_engines=rm.engines if reward_ranks else 0,
+        reward_gpus_per_engine=rm.gpus_per_engine if reward_ranks else 1,
+        reward_colocated=rm.enabled and rm.colocate == "rollout",
     )
+
+
+def _check_engine_size(g: int, per_node: int, field: str, file: str | None) -> None:
+    """An engine of ``g`` ranks fills part of one node evenly, or whole nodes."""
+    if g > per_node and g % per_node:
+        raise ConfigError(f"expected {field} to fit a node ({per_node}) or be a multiple of it, got {g}",
+                          file=file, field=field)
+    if g <= per_node and per_node % g:
+        raise ConfigError(f"expected {field} to divide the {per_node} GPUs (ranks) of a node, got {g}",
+                          file=file, field=field)
+
+
+def _check_engine_start(first: int, g: int, per_node: int, table: str, before: str, fix: str,
+                        file: str | None) -> None:
+    """Engines must not straddle nodes: the group's first rank ``first`` must lie on a boundary of an engine's size."""
+    align = min(g, per_node)
+    if first % align:
+        raise ConfigError(f"{before} ranks leave part of a node that {table.replace('_', ' ')} engines of {g} GPUs "
+                          f"cannot fill; {fix} {align}", file=file, field=f"{table}.gpus_per_engine")
 
 
 def check_shape(job: JobSpec, shape: ModelShape, *, file: str | None = None) -> None:
@@ -233,7 +295,7 @@ def check_shape(job: JobSpec, shape: ModelShape, *, file: str | None = None) -> 
     tr, ro, src = job.trainer, job.rollout, shape.source
     heads, kv = shape.num_heads, shape.num_kv_heads
     splits = [("trainer.tp", tr.tp)]
-    if ro.engine == "sglang":  # an SGLang engine of N ranks runs TP = N (the reference engine keeps a whole copy)
+    if ro.engine in ("sglang", "vllm"):  # an engine of N ranks runs TP = N (the reference engine keeps a whole copy)
         splits.append(("rollout.gpus_per_engine", ro.gpus_per_engine))
     for field, tp in splits:
         if heads % tp:

@@ -119,6 +119,11 @@ def test_an_episode_keeps_the_engine_tokens_and_masks_the_tool_text(tokenizer) -
     assert s.rollout_logprobs[len(reply.response_ids):] == [0.0] * n_env
     ep.record(_reply(tokenizer, "5"), 5, {"role": "assistant", "content": "5"}, eos_id=tokenizer.eos_id)
     assert s.metadata["versions"] == [4, 5] and s.weight_version == 4 and ep.divergences == 0
+    # Asking again with nothing added (the reply was not what the agent wanted) opens the next assistant turn: an
+    # extension, not a divergence (seen with a real engine's reply whose tool call was malformed).
+    msgs3 = [*msgs2, {"role": "assistant", "content": "5"}]
+    ids3 = ep.context(msgs3, None, r)
+    assert ep.divergences == 0 and tokenizer.tok.decode(ids3) == r.render(msgs3)
 
 
 @pytest.mark.parametrize("mode", ["drop", "split"])
@@ -247,7 +252,7 @@ def _prompts(k: int) -> list:
 def agent_endpoint(endpoint, engine):
     from milehpc.rollout import agent
 
-    agent._ENDPOINTS[id(engine)] = endpoint  # the module's endpoint, so its batching can be counted
+    agent.use_endpoint(engine, endpoint)  # the module's endpoint, so its batching can be counted
     endpoint.batcher.window_s = 30.0  # in-process agents: a batch is cut when every episode waits, never by time
     yield endpoint
     endpoint.batcher.window_s = 0.02
@@ -301,9 +306,30 @@ def test_a_diverging_or_slow_episode_is_dropped_and_counted(agent_endpoint, engi
     assert slow[0].metadata["agent_counts"]["timeouts"] == 1
 
 
+def test_an_engines_endpoint_is_found_by_the_engine_and_goes_with_it(engine, tokenizer) -> None:
+    """The endpoint is the engine's own (not whatever has its id: an id is reused once its object is freed), and it
+    does not keep a freed engine alive: the engine's end closes it and removes the entry."""
+    import gc
+    import weakref
+
+    from milehpc.rollout import agent
+    from milehpc.rollout.engine import SamplingParams
+    from milehpc.rollout.reference import ReferenceEngine
+
+    other = ReferenceEngine(engine.model, tokenizer, seed=5)  # another rank's engine (the same weights: cheap)
+    ep = agent.endpoint_for(other, tokenizer, SamplingParams(), run_dir=None)
+    assert agent.endpoint_for(other, tokenizer, SamplingParams(), run_dir=None) is ep and ep.running
+    key, gone = id(other), weakref.ref(other)
+    del other
+    gc.collect()
+    assert gone() is None, "the endpoint keeps its engine alive"
+    assert not ep.running and key not in agent._ENDPOINTS
+
+
 # ---- the job's listening sockets ----
 def test_no_listening_socket_of_the_rank_is_usable_without_the_token(endpoint) -> None:
     import http.server
+    import socket
     import threading
 
     from milehpc.comm.net import host_store
@@ -316,12 +342,27 @@ def test_no_listening_socket_of_the_rank_is_usable_without_the_token(endpoint) -
     # TCPStore (which cannot check a token) listens on the job's interface only.
     open_server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
     threading.Thread(target=open_server.serve_forever, daemon=True).start()
+    # ... and a socket on every interface that speaks no HTTP (Open MPI's TCP BTL): it hangs up at once, so the
+    # probe costs no timeout.
+    silent = socket.create_server(("0.0.0.0", 0))
+
+    def hang_up() -> None:
+        while True:
+            try:
+                silent.accept()[0].close()
+            except OSError:  # closed below
+                return
+
+    threading.Thread(target=hang_up, daemon=True).start()
     try:
         found = unprotected([os.getpid()])
         assert any(f":{open_server.server_port} answers HTTP" in p for p in found), found
+        assert f"pid {os.getpid()}: 0.0.0.0:{silent.getsockname()[1]} (not HTTP: no token possible) listens on " \
+               "every interface" in found, found
     finally:
         open_server.shutdown()
         open_server.server_close()
+        silent.close()
     assert unprotected([os.getpid()]) == []
     store.set("still", "served")  # the probe did not break the store
     assert store.get("still") == b"served"

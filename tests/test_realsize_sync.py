@@ -34,3 +34,134 @@ def test_a_tied_lm_head_is_sent_once_and_the_engine_ties_it_itself() -> None:
     assert torch.equal(engine.model.lm_head.weight, embedding)
     ids = torch.tensor([TOK.encode_prompt("12 3")])
     assert torch.equal(engine.model(ids).logits, trainer.module(ids).logits)
+
+
+def test_a_sync_lands_in_the_reference_engines_parameters_without_a_receive_buffer() -> None:
+    """Issue 33 item 4: a tensor sent on its own (nearly all the bytes of a real model) is received straight into the
+    engine's parameter, not into a fresh receive buffer that the engine then copies out of (that buffer's page
+    faults and the copy were half of the sync's time at Qwen2.5-0.5B's shape); the small ones still come packed."""
+    from test_runtime_units import _Wire
+
+    from milehpc.weights.broadcast import recv_weights_stream, send_weights
+
+    spec = ModelSpec(arch="qwen2", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                     tie_word_embeddings=True)
+    sent = [(n, t.detach().clone()) for n, t in build_model(spec, TOK.vocab_size, seed=3).state_dict().items()
+            if n != "lm_head.weight"]
+    engine = ReferenceEngine(build_model(spec, TOK.vocab_size, seed=7), TOK, seed=0)
+    params = dict(engine.model.state_dict())
+    direct = 2048  # every matrix on its own, the norms and biases packed
+    wire = _Wire()
+    send_weights(wire, iter(sent), 1, bucket_bytes=1 << 20, direct_bytes=direct)
+    wire.rank = 1
+    stream = recv_weights_stream(wire)
+    engine.update_weights(stream, 1)
+    big = sum(t.numel() * t.element_size() for _, t in sent if t.numel() * t.element_size() >= direct)
+    assert big > 0.9 * sum(t.numel() * t.element_size() for _, t in sent)
+    assert stream.in_place_bytes == big and not wire.sent  # each one into its parameter; all bytes taken
+    after = engine.model.state_dict()
+    for name, want in sent:
+        assert after[name].data_ptr() == params[name].data_ptr(), name  # the same storage, now the new values
+        assert torch.equal(after[name], want), name
+    assert engine.version == 1 and torch.equal(engine.model.lm_head.weight, after["model.embed_tokens.weight"])
+
+
+class _Work:
+    def __init__(self, log: list, k: int, flat: torch.Tensor) -> None:
+        self.log, self.k, self.flat, self.sent = log, k, flat, flat.clone()
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        # The bytes on the wire stay as they were sent until the broadcast is over (packing the next bucket must not
+        # write into them).
+        assert torch.equal(self.flat, self.sent), f"bucket {self.k} overwritten while on the wire"
+        self.log.append(("wait", self.k))
+
+
+class _Group:
+    """Stands in for the trainer's end of SGLang's update group and the MPI side channel (what StageSender uses)."""
+
+    def __init__(self) -> None:
+        self.rank, self.timeout, self.log, self.sent, self.ctrl = 0, 10.0, [], [], self
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: object) -> _Work:
+        self.sent.append(tensors[0].clone())
+        self.log.append(("start", len(self.sent) - 1))
+        return _Work(self.log, len(self.sent) - 1, tensors[0])
+
+    def bcast(self, obj: object, root: int, ranks: list[int], *, what: str = "") -> object:
+        return obj
+
+    def poll(self, done, timeout, message, peers) -> None:  # noqa: ANN001
+        while not done():
+            pass
+
+    def improbe(self, source: int, tag: int) -> None:
+        return None
+
+
+def test_the_sglang_sender_packs_the_next_bucket_while_one_is_on_the_wire(monkeypatch) -> None:  # noqa: ANN001
+    """Issue 33 item 4: SGLang's update group gets one flat bucket per request; the trainer's stage leader exports
+    and packs bucket k+1 into the second of two reused buffers while bucket k is on the wire (packing after the
+    broadcast put the export and a fresh buffer's page faults on the critical path), without touching the bytes in
+    flight, and what arrives is what was exported."""
+    from milehpc.comm import collectives
+    from milehpc.rollout import sglang_mapping as sm
+    from milehpc.weights.sglang import StageSender
+
+    monkeypatch.setattr(collectives, "collective_device", lambda group=None: torch.device("cpu"))
+    group = _Group()
+    sender = StageSender(group, 0, [1], 2, "gloo")
+    sender.pg = group
+    tensors = [(f"t{i}", torch.full((256,), float(i))) for i in range(8)]  # 1 KiB each: four buckets of two
+
+    def export():  # noqa: ANN202
+        for name, t in tensors:
+            group.log.append(("export", name))
+            yield name, t
+
+    total, broken = sender.send(export(), 1, 2048, attempt=0)
+    assert broken is None and total == 8 * 1024 and len(group.sent) == 4
+    at = {event: i for i, event in enumerate(group.log)}
+    for k in range(3):  # the second tensor of bucket k+1 is exported before bucket k's broadcast is waited for
+        assert at[("export", f"t{2 * k + 3}")] < at[("wait", k)], group.log
+    flats = [sm.flatten_bucket(tensors[i:i + 2])[0] for i in range(0, 8, 2)]
+    assert all(torch.equal(got, want) for got, want in zip(group.sent, flats, strict=True))
+
+
+def test_broadcasts_overlap_within_the_window_and_the_receive_buffers_stay_two() -> None:
+    """Issue 33 item 4: the source keeps broadcasts in flight while they fit in one bucket's bytes (waiting for each
+    before the next cost both ends a wake-up per tensor: half of a 0.5B sync on a loaded CPU), the receiver posts
+    ahead every tensor it can receive in place and at most two buffered buckets, and the bytes arrive exact."""
+    from test_runtime_units import _Wire
+
+    from milehpc.weights.broadcast import recv_weights_stream, send_weights
+
+    class Counting(_Wire):
+        live = peak = 0
+
+        def broadcast(self, buf: torch.Tensor) -> Counting:
+            super().broadcast(buf)
+            self.live += 1
+            self.peak = max(self.peak, self.live)
+            return self
+
+        def wait(self, work, what, timeout=None) -> None:  # noqa: ANN001
+            self.live -= 1
+
+    sent = [(f"w{i}", torch.randn(1024)) for i in range(10)]  # 4 KiB each, each a broadcast of its own
+    for in_place, receiver_peak in ((True, 10), (False, 2)):
+        wire = Counting()
+        send_weights(wire, iter(sent), 1, bucket_bytes=16 << 10, direct_bytes=1024)
+        assert wire.peak == 4 and wire.live == 0  # 16 KiB in flight, no more
+        wire.rank, wire.peak = 1, 0
+        dest = {name: torch.zeros(1024) for name, _ in sent}
+        stream = recv_weights_stream(wire)
+        if in_place:
+            stream.receive_into(lambda name, dtype, shape, dest=dest: dest[name])
+        got = {name: t.clone() for name, t in stream}
+        assert wire.peak == receiver_peak and wire.live == 0 and not wire.sent
+        assert all(torch.equal(got[name], t) for name, t in sent)
+        assert all(torch.equal(dest[name], t) for name, t in sent) == in_place

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,15 @@ sort_rm = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sort_rm)
 
 
+def qwen2_rm_config(vocab_size: int) -> Any:
+    """A 2-layer, 32-wide Qwen2 classifier (the example's RM is GPT-2: these tests keep a RoPE model)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32, pad_token_id=0,
+                       eos_token_id=2, bos_token_id=None, num_labels=1)
+
+
 @pytest.fixture(scope="module")
 def rm_folder(tmp_path_factory) -> Path:
     """A random-init RM with the example's character tokenizer (no chat template)."""
@@ -33,7 +43,7 @@ def rm_folder(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("rm")
     tok = sort_rm.save_tokenizer(out)
     torch.manual_seed(0)
-    Qwen2ForSequenceClassification(sort_rm.rm_config(len(tok), hidden=32)).save_pretrained(out)
+    Qwen2ForSequenceClassification(qwen2_rm_config(len(tok))).save_pretrained(out)
     return out
 
 
@@ -81,7 +91,7 @@ def test_classifier_applies_the_rm_chat_template(tmp_path: Path) -> None:
 
     build_tokenizer_folder(tmp_path, vocab_size=300)
     torch.manual_seed(0)
-    config = sort_rm.rm_config(300, hidden=32)
+    config = qwen2_rm_config(300)
     config.pad_token_id = 0
     Qwen2ForSequenceClassification(config).save_pretrained(tmp_path)
     rm = ms.load_classifier(str(tmp_path))

@@ -172,6 +172,18 @@ def test_contract_update_from_tensor_then_disk_with_logprob_check(engine, model_
     assert_logprobs_agree(engine, hf_model(model_dir))
 
 
+def test_contract_agent_episodes_through_the_openai_endpoint(engine, model_dir, tmp_path):
+    """Issue 36: the ``agent`` generator's endpoint served by this engine: plain openai-client episodes with a tool
+    call (tests/agent_engines.py), recorded token-in/token-out and checked against transformers."""
+    from agent_engines import assert_agent_episodes, calculator_tokenizer, run_episodes, tool_calling_weights
+
+    tok = calculator_tokenizer(tmp_path / "tok")
+    model = tool_calling_weights(hf_model(model_dir), tok)
+    engine.update_weights([(n, t.detach().clone()) for n, t in model.state_dict().items()], version=4)
+    samples = run_episodes(engine, tok, episodes=4, stop_token_ids=[tok.eos_id])
+    assert_agent_episodes(samples, tok, model, version=4)
+
+
 def test_contract_failed_update_raises_one_clear_error_instead_of_hanging(engine, model_dir):
     import torch
 

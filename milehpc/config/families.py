@@ -55,10 +55,12 @@ FAMILIES: dict[str, Family] = {
 
 # model_type -> vision-language family (milehpc.models_vl), kept apart from FAMILIES: they load from a folder only
 # (no random [model] table), through transformers' image-text-to-text class, and train with the torch trainer alone.
-# Qwen3-VL is left out: its deepstack vision features are not wired through the engine and trainer here.
+# Qwen3-VL's deepstack features go through the same code (milehpc.models_vl.vision_inputs); its MoE sibling too
+# (transformers' classes on both sides: the experts stacked alike).
 VISION_FAMILIES: dict[str, Family] = {
-    "qwen2_5_vl": Family("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLConfig",
-                         "Qwen2_5_VLForConditionalGeneration", "", megatron=False, vision=True),
+    name: Family(f"transformers.models.{name}.modeling_{name}", f"{prefix}Config",
+                 f"{prefix}ForConditionalGeneration", "", megatron=False, vision=True, moe=name.endswith("_moe"))
+    for name, prefix in (("qwen2_5_vl", "Qwen2_5_VL"), ("qwen3_vl", "Qwen3VL"), ("qwen3_vl_moe", "Qwen3VLMoe"))
 }
 
 # What [model].arch may name: the dense families (num_experts > 0 builds their MoE sibling where they have one).
@@ -106,6 +108,12 @@ def random_model_type(arch: str, num_experts: int, *, file: str | None = None) -
                               file=file, field="model.arch")
         return moe
     return arch
+
+
+def job_model_type(job: Any) -> str | None:
+    """The model_type of a job's model: its folder's (None when unreadable here) or the random ``[model]`` table's."""
+    m = job.model
+    return folder_model_type(m.path) if m.path else random_model_type(m.arch, m.num_experts)
 
 
 @lru_cache(maxsize=32)

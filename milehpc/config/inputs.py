@@ -112,6 +112,24 @@ def check_inputs(job: JobSpec, partition: Partition, *, file: str | None = None)
             sys.path.remove(p)
     if "model.tokenizer" not in declared and "model.path" not in declared:
         check_vocabulary(job, file=file)
+    check_tool_parser(job, file=file)
+
+
+def check_tool_parser(job: JobSpec, *, file: str | None) -> None:
+    """The agent generator knows the tool-call format of the model's replies: named, or its family's."""
+    if job.rollout.generator != "agent":
+        return
+    from milehpc.config.families import job_model_type
+    from milehpc.rollout.tool_calls import parser_name
+
+    model_type = job_model_type(job)
+    option = job.rollout.generator_params.get("tool_parser")
+    if model_type is None and not option:
+        return  # a folder only the compute nodes read: the ranks resolve its family
+    try:
+        parser_name(option, model_type)
+    except ValueError as err:
+        raise ConfigError(str(err), file=file, field="rollout.generator_params.tool_parser") from None
 
 
 def absolute_inputs(job: JobSpec) -> JobSpec:
@@ -283,7 +301,11 @@ def _arrow_folder_rows(folder: Path, *, file: str | None, field: str) -> list[tu
 
 def _plugin_refs(job: JobSpec) -> list[tuple[str, str]]:
     """(field, 'module:function') of every plugin the job names by import path."""
-    return [(field, ref) for field, ref, _ in reward_tables(job) if isinstance(ref, str) and ":" in ref]
+    refs = [(field, ref) for field, ref, _ in reward_tables(job) if isinstance(ref, str) and ":" in ref]
+    agent = job.rollout.generator_params.get("agent") if job.rollout.generator == "agent" else None
+    if isinstance(agent, str) and ":" in agent:  # the agent generator's user code, imported by every rollout rank
+        refs.append(("rollout.generator_params.agent", agent))
+    return refs
 
 
 def check_import(ref: str, *, file: str | None, field: str) -> None:

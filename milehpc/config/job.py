@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from milehpc.config.families import RANDOM_ARCHS
+from milehpc.config.reward_model import RewardModelSpec, check_reward_group
 from milehpc.config.schema import opt
 from milehpc.config.slurm_time import TIME, TIME_EXPECT
 from milehpc.config.slurm_time import coerce as slurm_time
@@ -283,6 +285,18 @@ def reward_route(route: Any) -> tuple[str, Any]:
     return "", None
 
 
+def named_rewards(reward: RewardSpec) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(field, name, params) of every reward ``[reward]`` names: its own, ``by_source``'s, and ``combine``'s parts."""
+    tops = [("reward", reward.name, reward.params)]
+    tops += [(f"reward.by_source.{s}", *reward_route(r)) for s, r in reward.by_source.items()]
+    for field, name, params in tops:
+        yield field, name, params or {}
+        if name == "combine":
+            for i, part in enumerate((params or {}).get("rewards", [])):
+                if isinstance(part, dict):
+                    yield f"{field}.params.rewards[{i}]", str(part.get("name", "")), part.get("params") or {}
+
+
 @dataclass
 class DataSpec:
     source: str = opt("task:sort", help="'task:NAME' (a generated task), or a local .jsonl / .parquet file or "
@@ -456,6 +470,8 @@ class JobSpec:
     trainer: TrainerSpec = opt(TrainerSpec)
     algorithm: AlgorithmSpec = opt(AlgorithmSpec)
     reward: RewardSpec = opt(RewardSpec)
+    reward_model: RewardModelSpec = opt(RewardModelSpec, help="a reward model on ranks of its own "
+                                                              "(milehpc.config.reward_model)")
     data: DataSpec = opt(DataSpec)
     eval: EvalSpec = opt(EvalSpec)
     resources: ResourcesSpec = opt(ResourcesSpec)
@@ -488,3 +504,5 @@ class JobSpec:
                     f"trainer.tp * trainer.pp * trainer.dp ({self.trainer.ranks})",
                     file=file, field="resources.colocate",
                 )
+        check_reward_group(self.reward_model, named_rewards(self.reward), reward_name=self.reward.name,
+                           colocated=self.resources.colocate, file=file)

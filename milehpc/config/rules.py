@@ -241,9 +241,10 @@ VISION_ENGINES = ("reference",)
 
 
 def vision_models_roll_out_on_the_reference_engine(job: JobSpec, file: str | None) -> None:
-    """model.path × rollout.engine × model.freeze_vision: a vision-language checkpoint (milehpc.config.families
-    VISION_FAMILIES) rolls out on the reference engine, which feeds the images through the model (the Megatron
-    trainer is refused by model_family_is_supported); freeze_vision needs such a model."""
+    """model.path × rollout.engine × rollout.generator × trainer.dp × model.freeze_vision: a vision-language
+    checkpoint (milehpc.config.families VISION_FAMILIES) rolls out on the reference engine, which feeds the images
+    through the model, with no generator, on one trainer rank (the Megatron trainer is refused by
+    model_family_is_supported); freeze_vision needs such a model."""
     from milehpc.config.families import VISION_FAMILIES, folder_model_type
 
     model_type = folder_model_type(job.model.path) if job.model.path else None
@@ -251,6 +252,12 @@ def vision_models_roll_out_on_the_reference_engine(job: JobSpec, file: str | Non
         raise ConfigError(f"expected rollout.engine = {' or '.join(map(repr, VISION_ENGINES))} for a vision-language "
                           f"model ({model_type}: images in the prompts), got {job.rollout.engine!r}", file=file,
                           field="rollout.engine")
+    if model_type in VISION_FAMILIES and job.rollout.generator:
+        # A generator (multi-turn, tools, agents) re-renders its history as text and token ids: the image parts and
+        # their pixels would be lost after the first turn.
+        raise ConfigError(f"expected no rollout.generator for a vision-language model ({model_type}: multi-turn and "
+                          f"tool generators do not carry image parts in their history), got "
+                          f"{job.rollout.generator!r}", file=file, field="rollout.generator")
     if model_type in VISION_FAMILIES and job.trainer.dp > 1:
         # The trainer runs the embedding and the vision tower outside the DDP/FSDP wrapper's forward
         # (milehpc.models_vl): with more than one data-parallel rank their gradients would not be reduced.
@@ -501,6 +508,8 @@ def lora_fits_the_trainer(job: JobSpec, file: str | None) -> None:
 # The module kinds SGLang's LoRA adapts on the dense HF families milehpc builds (``SUPPORTED_LORA_TARGET_MODULES`` of
 # sglang 0.5.23 that these models have as nn.Linear; milehpc.rollout.sglang_lora starts the engine with all of them).
 SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Engines that load a synced adapter through their LoRA API (by rule name -> how messages name them).
+LORA_API_ENGINES = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
 def lora_rolls_out_where_adapters_load(job: JobSpec, file: str | None) -> None:
@@ -514,25 +523,28 @@ def lora_rolls_out_where_adapters_load(job: JobSpec, file: str | None) -> None:
         _adapters_roll_out(job, file)
     if spec is None or job.rollout.engine in REFERENCE_ENGINES:
         return
-    if job.rollout.engine != "sglang":
-        raise ConfigError(f"[trainer.lora] syncs adapters that the reference or the SGLang engine loads: expected "
-                          f"rollout.engine in {', '.join(map(repr, (*REFERENCE_ENGINES, 'sglang')))}, got "
+    if job.rollout.engine not in LORA_API_ENGINES:
+        raise ConfigError(f"[trainer.lora] syncs adapters that the reference, SGLang or vLLM engine loads: expected "
+                          f"rollout.engine in {', '.join(map(repr, (*REFERENCE_ENGINES, *LORA_API_ENGINES)))}, got "
                           f"{job.rollout.engine!r}", file=file, field="rollout.engine")
+    # vLLM loads the adapter as a LoRARequest (milehpc.rollout.vllm_worker), translated as for SGLang: the same limits.
+    engine = LORA_API_ENGINES[job.rollout.engine]
     if (experts := _experts(job, file)) > 0:
-        raise ConfigError(f"expected a dense model with [trainer.lora] on rollout.engine = 'sglang' (SGLang's expert "
-                          f"adapters need its triton kernels), got model.num_experts = {experts}",
+        raise ConfigError(f"expected a dense model with [trainer.lora] on rollout.engine = {job.rollout.engine!r} "
+                          f"({engine}'s expert adapters need GPU kernels), got model.num_experts = {experts}",
                           file=file, field="model.num_experts")
     if spec.modules_to_save:
-        raise ConfigError(f"SGLang's LoRA API loads adapters only: expected no modules_to_save with rollout.engine = "
-                          f"'sglang', got {spec.modules_to_save!r}", file=file, field="trainer.lora.modules_to_save")
+        raise ConfigError(f"{engine}'s LoRA API loads adapters only: expected no modules_to_save with rollout.engine "
+                          f"= {job.rollout.engine!r}, got {spec.modules_to_save!r}", file=file,
+                          field="trainer.lora.modules_to_save")
     kinds = {p.rsplit(".", 1)[-1] for p in spec.target_modules}
     literal = {k for k in kinds if not any(c in k for c in "*?[")}
     unknown = sorted(literal - set(SGLANG_LORA_MODULES))
     qkv = literal & {"q_proj", "k_proj", "v_proj"}
     if unknown or (qkv and len(literal) == len(kinds) and not {"q_proj", "v_proj"} <= qkv):
         got = f"{unknown}" if unknown else f"{sorted(qkv)} without {sorted({'q_proj', 'v_proj'} - qkv)}"
-        raise ConfigError(f"expected modules SGLang's LoRA adapts ({', '.join(SGLANG_LORA_MODULES)}; q_proj and "
-                          f"v_proj together, SGLang stacks q/k/v), got {got}", file=file,
+        raise ConfigError(f"expected modules {engine}'s LoRA adapts ({', '.join(SGLANG_LORA_MODULES)}; q_proj and "
+                          f"v_proj together, {engine} stacks q/k/v), got {got}", file=file,
                           field="trainer.lora.target_modules")
 
 

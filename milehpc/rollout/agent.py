@@ -24,7 +24,10 @@ import atexit
 import os
 import shutil
 import tempfile
+import threading
 import uuid
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,28 +37,57 @@ from milehpc.rollout.agent_episode import Episode
 from milehpc.rollout.endpoint import Endpoint
 from milehpc.rollout.endpoint_auth import job_token
 from milehpc.rollout.engine import SamplingParams
+from milehpc.rollout.tool_calls import parser_name
 from milehpc.samples import Sample, Status
 from milehpc.samples.sample import AGENT_COUNTS
 
-_ENDPOINTS: dict[int, Endpoint] = {}  # one per engine (rank), started by its first rollout
+# One endpoint per engine (rank), started by its first rollout. Found by the engine object itself, not by its id
+# alone (an id is reused once its object is freed): the entry holds a weak reference to the engine, the endpoint only
+# a proxy of it, so an engine that is freed closes its endpoint and leaves the table.
+_ENDPOINTS: dict[int, tuple[Callable[[], Any], Endpoint]] = {}
 
 
 def endpoint_for(engine: Any, tokenizer: Any, sampling: SamplingParams, *, run_dir: str | os.PathLike[str] | None,
                  tool_parser: str = "qwen25", unix_socket: bool = False) -> Endpoint:
     """This rank's endpoint, started on first use. Its token is the job's, in ``run_dir`` (a private temporary
     directory when the caller has none)."""
-    ep = _ENDPOINTS.get(id(engine))
-    if ep is not None:
-        return ep
+    entry = _ENDPOINTS.get(id(engine))
+    if entry is not None and entry[0]() is engine and entry[1].running:
+        return entry[1]
     private = Path(run_dir) if run_dir is not None else _private_temp("milehpc-endpoint-")
     sock = private / f"endpoint-{os.uname().nodename}-{os.getpid()}.sock" if unix_socket else None
     if sock is not None and len(str(sock)) > 100:  # AF_UNIX paths are limited to 108 bytes
         sock = _private_temp("milehpc-") / "endpoint.sock"
-    ep = Endpoint(engine, tokenizer, token=job_token(private), sampling=sampling, parser=tool_parser,
+    try:
+        served: Any = weakref.proxy(engine)
+    except TypeError:  # an engine without weak references: held (it then lives as long as its endpoint)
+        served = engine
+    ep = Endpoint(served, tokenizer, token=job_token(private), sampling=sampling, parser=tool_parser,
                   unix_socket=sock).start()
-    _ENDPOINTS[id(engine)] = ep
+    use_endpoint(engine, ep)
     atexit.register(ep.close)
     return ep
+
+
+def use_endpoint(engine: Any, ep: Endpoint) -> None:
+    """Serve ``engine``'s agent episodes through ``ep`` from now on (:func:`endpoint_for` does it for the endpoints
+    it starts; tests hand in their own). The entry goes, and the endpoint is closed, when the engine is freed."""
+    key = id(engine)
+    try:
+        ref: Callable[[], Any] = weakref.ref(engine, lambda _: _forget(key, ep))
+    except TypeError:
+        ref = lambda: engine  # noqa: E731  (held: its id cannot be reused while the entry exists)
+    _ENDPOINTS[key] = (ref, ep)
+
+
+def _forget(key: int, ep: Endpoint) -> None:
+    """The engine behind ``ep`` was freed: drop its entry (unless another took the key) and close ``ep``."""
+    if key in _ENDPOINTS and _ENDPOINTS[key][1] is ep:
+        del _ENDPOINTS[key]
+    if threading.current_thread().name.startswith(("milehpc-endpoint", "milehpc-engine")):
+        threading.Thread(target=ep.close, daemon=True).start()  # close() joins those threads: not from them
+    else:
+        ep.close()
 
 
 def _private_temp(prefix: str) -> Path:
@@ -69,7 +101,7 @@ def _private_temp(prefix: str) -> Path:
 def close_endpoints() -> None:
     """Stop this process's endpoints (tests and notebooks; a job's end with its process)."""
     while _ENDPOINTS:
-        _ENDPOINTS.popitem()[1].close()
+        _ENDPOINTS.popitem()[1][1].close()
 
 
 def _task(prompt: Any) -> dict[str, Any]:
@@ -117,11 +149,16 @@ async def _episodes(ep: Endpoint, run: Any, tasks: list[dict[str, Any]], *, time
 
 def agent_generator(engine: Any, prompts: list[Any], sampling: SamplingParams, *, agent: str,
                     episode_timeout_s: float = 120.0, max_parallel: int = 64, on_divergence: str = "drop",
-                    tool_parser: str = "qwen25", unix_socket: bool = False, run_dir: str | None = None,
-                    tokenizer: Any = None) -> list[Sample]:
-    """``sampling.n`` episodes per prompt; their samples prompt-major (a split episode gives several)."""
+                    tool_parser: str | None = None, unix_socket: bool = False, run_dir: str | None = None,
+                    tokenizer: Any = None, model_type: str | None = None) -> list[Sample]:
+    """``sampling.n`` episodes per prompt; their samples prompt-major (a split episode gives several).
+    ``tool_parser`` None: the parser of the ``model_type`` family (checked on the login node)."""
     tok = tokenizer if tokenizer is not None else engine.tokenizer
-    ep = endpoint_for(engine, tok, sampling, run_dir=run_dir, tool_parser=tool_parser, unix_socket=unix_socket)
+    try:
+        parser = parser_name(tool_parser, model_type)
+    except ValueError as err:
+        raise ConfigError(str(err), field="rollout.generator_params.tool_parser") from None
+    ep = endpoint_for(engine, tok, sampling, run_dir=run_dir, tool_parser=parser, unix_socket=unix_socket)
     try:
         run = load_ref(agent)
     except (ImportError, AttributeError) as err:

@@ -140,7 +140,9 @@ class Episode:
         norm = [normalize(m) for m in messages]
         if self.sample is not None:
             k = len(self.messages)
-            if norm[:k] == self.messages and len(norm) > k and tools == self.tools:
+            # Nothing added (len(norm) == k) is an extension too: the agent asks for another reply after the last
+            # one (e.g. after a reply without the tool call it wanted): the next assistant turn is opened.
+            if norm[:k] == self.messages and tools == self.tools:
                 try:
                     added = renderer.extension(messages[k:], tools, ended_with_eos=self.ended_with_eos)
                 except Divergence:

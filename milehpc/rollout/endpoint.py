@@ -171,6 +171,11 @@ class Endpoint:
         self.run(self._serve())
         return self
 
+    @property
+    def running(self) -> bool:
+        """Started and not closed."""
+        return self._loop is not None
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the endpoint's loop and wait for its result."""
         assert self._loop is not None, "the endpoint is not started"

@@ -240,6 +240,9 @@ class ReferenceEngine:
 
         state = self.model.state_dict()
         merge: set[str] = set()
+        receive_into = getattr(named_tensors, "receive_into", None)
+        if receive_into is not None:  # a weight-sync stream: the bytes land in the parameters themselves (issue 33)
+            receive_into(lambda name, dtype, shape: self._in_place_target(name, state))
         with torch.no_grad():
             for name, tensor in named_tensors:
                 weight = _adapted_weight(name)
@@ -258,7 +261,7 @@ class ReferenceEngine:
                 if name in self._lora_base:  # a new base under an adapter: merged again below
                     self._lora_base[name].copy_(tensor)
                     merge.add(name)
-                else:
+                elif not _same_memory(state[name], tensor):  # (received in place: nothing to copy)
                     state[name].copy_(tensor)
             if self._adapted:  # multi-LoRA: the next generation merges its adapter afresh
                 self._active = None
@@ -266,6 +269,13 @@ class ReferenceEngine:
                 for weight in sorted(merge):
                     self._merge(weight, state[weight])
         self.version = version
+
+    def _in_place_target(self, name: str, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The parameter a sync may receive ``name`` straight into: a plain weight (not an adapter's, not a base an
+        adapter is merged into, which keeps its own copy)."""
+        if name in self._lora_base or _adapted_weight(name) is not None or _named_adapter(name) is not None:
+            return None
+        return state.get(name)
 
     def _receive_named(self, name: str, named: tuple[str, str | None], tensor: torch.Tensor,
                        state: dict[str, torch.Tensor]) -> None:
@@ -347,6 +357,12 @@ class ReferenceEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.generator.set_state(state["generator"])
         self.version = int(state["version"])
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``b`` is ``a``'s own storage (a sync received it in place), not a tensor to copy from."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())
 
 
 def _adapted_weight(name: str) -> str | None:

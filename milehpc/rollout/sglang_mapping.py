@@ -36,7 +36,7 @@ facts written down in ``tests/test_sglang_mapping.py``. The facts come from thes
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -324,7 +324,8 @@ def weight_metadata(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list
 FLATTENED_BUCKET = "flattened_bucket"
 
 
-def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, dict[str, list]]:
+def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]], out: Callable[[int, Any], torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, dict[str, list]]:
     """One bucket as SGLang's flattened-bucket receiver lays it out: a 1-D uint8 tensor (on the tensors' device)
     holding each tensor's bytes back to back, and the ``names`` / ``dtypes`` / ``shapes`` of the tensors in that
     order (the only metadata the receiver gets; it derives the byte offsets from them).
@@ -332,7 +333,8 @@ def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Ten
     The receiver refuses a tensor whose byte offset is not a multiple of its dtype's size (no padding is possible),
     so the tensors go widest dtype first: every size is a multiple of the narrower (power-of-two) sizes after it.
     Costs one copy of a bucket of several tensors (as SGLang's own ``FlattenedTensorBucket``); saves a collective
-    per tensor."""
+    per tensor. ``out(nbytes, device)``: a uint8 buffer of ``nbytes`` to copy them into (a sender's reused buffer:
+    fresh memory per bucket costs page faults on a CPU); else a new one."""
     import torch
 
     if not named:
@@ -340,7 +342,12 @@ def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Ten
     ordered = sorted(named, key=lambda nt: -nt[1].element_size())  # stable: same-width tensors keep their order
     views = [t.contiguous().view(-1).view(torch.uint8) for _, t in ordered]
     # A bucket of one (an oversized embedding or lm_head) goes as its own bytes: no second copy of it on the device.
-    flat = views[0] if len(views) == 1 else torch.cat(views)
+    if len(views) == 1:
+        flat = views[0]
+    elif out is None:
+        flat = torch.cat(views)
+    else:
+        flat = torch.cat(views, out=out(sum(v.numel() for v in views), views[0].device))
     return flat, weight_metadata(ordered)
 
 

@@ -1,8 +1,8 @@
 """Weight sync from the trainer to the rollout engines: named tensors in buckets over a weight-sync group.
 
 Protocol (one call on the source and every rollout rank of a ``WeightSyncGroup``), streamed: the source never
-holds more than the tensor in hand, one tensor in flight and its two bucket buffers, so a sync's extra memory is
-O(bucket), not O(pipeline stage) (issue 33: a trainer that gathered its whole stage first needed 235 GB on one GPU
+holds more than the tensor in hand, a bucket's bytes in flight and its two bucket buffers, so a sync's extra memory
+is O(bucket), not O(pipeline stage) (issue 33: a trainer that gathered its whole stage first needed 235 GB on one GPU
 for a 235B MoE at pp=2; slime gathers and sends bucket by bucket too):
 
 1. over MPI the opening header (kind, version); then per bucket, as it fills, its header (per tensor its name,
@@ -12,10 +12,15 @@ for a 235B MoE at pp=2; slime gathers and sends bucket by bucket too):
    aligned offset so the receiver can view it back as its dtype without copying) of at most ``bucket_bytes``
    (default 512 MiB); a tensor of at least ``min(bucket_bytes, 1 MiB)`` is sent on its own, zero-copy (packing it
    would only add a copy: bench/weight_sync.py). The source fills bucket k+1 (and produces its tensors: gathers,
-   conversions) while bucket k is on the wire; the receiver posts bucket k+1 before handing the tensors of bucket k
-   to the engine. Both sides reuse two byte buffers per group within a sync and release them after it: held
-   between syncs they kept the largest tensor's bytes (an embedding: 544 MB at Qwen2.5-0.5B's shape, issue 33)
-   on every rollout rank through generation, which the memory estimate does not give them.
+   conversions) while bucket k is on the wire, and keeps broadcasts in flight up to ``bucket_bytes`` of them; the
+   receiver posts every bucket it has a place for before handing the tensors of the first to the engine: a
+   tensor sent on its own goes straight into the engine's parameter when the engine says where
+   (:meth:`WeightStream.receive_into`: no receive buffer, no copy-out), the others into two byte buffers. Issue 33
+   at Qwen2.5-0.5B's shape on a loaded 2-core CPU: the fresh receive buffer's page faults and the engine's copy
+   out of it, then one wake-up of both ends per tensor (290 of them), took the sync from 1.0 to 0.4-0.5 of a flat
+   broadcast of the same bytes. Both sides reuse the two byte buffers within a sync and release them after it:
+   held between syncs they kept the largest tensor's bytes (an embedding: 544 MB at Qwen2.5-0.5B's shape) on
+   every rollout rank through generation, which the memory estimate does not give them.
 
 A converter (plugin kind ``converter``) maps trainer names/layout to the engine's first (identity when the formats
 agree). Colocated runs skip all of this and load the trainer's tensors into the engine in place.
@@ -23,7 +28,8 @@ agree). Colocated runs skip all of this and load the trainer's tensors into the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -201,32 +207,48 @@ class SyncStats:
 
 
 class _StreamSender:
-    """The source's half of one streamed sync (see the module docstring): at most one broadcast in flight; the open
-    packed bucket fills the buffer slot that the last packed broadcast did not use."""
+    """The source's half of one streamed sync (see the module docstring). Broadcasts stay in flight, oldest waited
+    for first, while their bytes fit in ``window`` (one is always allowed): waiting for each before starting the
+    next cost both ends a wake-up per tensor, which on a loaded CPU was half of a sync of the 0.5B model's 290
+    tensors (issue 33); the extra memory is at most ``window`` of a lazy export's tensors. A packed bucket fills a
+    buffer slot only once the broadcast last sent from that slot is over (:meth:`free`)."""
 
-    def __init__(self, group: WeightSyncGroup, timeout: float | None) -> None:
-        self.group, self.timeout = group, timeout
-        self.in_flight: tuple[Any, int, torch.Tensor] | None = None  # (work, bucket index, bytes kept alive)
+    def __init__(self, group: WeightSyncGroup, timeout: float | None, window: int) -> None:
+        self.group, self.timeout, self.window = group, timeout, window
+        # (work, bucket index, bytes kept alive, buffer slot or None), oldest first
+        self.in_flight: deque[tuple[Any, int, torch.Tensor, int | None]] = deque()
+        self.flying = 0  # bytes in flight
         self.buckets = self.nbytes = 0
         self.slot = 0  # the buffer the open packed bucket fills
 
-    def send(self, direct: bool, metas: list[TensorMeta], data: torch.Tensor) -> None:
+    def send(self, direct: bool, metas: list[TensorMeta], data: torch.Tensor, slot: int | None = None) -> None:
         group = self.group
         index = self.buckets
-        bucket = Bucket(index, int(data.numel()), direct, tuple(range(len(metas))))
+        nbytes = int(data.numel())
+        bucket = Bucket(index, nbytes, direct, tuple(range(len(metas))))
         header = BucketHeader(bucket, tuple(replace(m, bucket=index) for m in metas))
         group.comms.bcast(header, group.source, group.ranks, what=f"{_what(group, index)} metadata",
-                          timeout=self.timeout)
-        self.finish()
-        self.in_flight = (group.broadcast(data), index, data)
+                          timeout=self.timeout)  # first: the receivers post their receive early
+        while self.in_flight and self.flying + nbytes > self.window:
+            self._finish_oldest()
+        self.in_flight.append((group.broadcast(data), index, data, slot))
+        self.flying += nbytes
         self.buckets += 1
-        self.nbytes += bucket.nbytes
+        self.nbytes += nbytes
+
+    def free(self, slot: int) -> None:
+        """Wait until no broadcast in flight reads buffer ``slot``."""
+        while any(entry[3] == slot for entry in self.in_flight):
+            self._finish_oldest()
 
     def finish(self) -> None:
-        if self.in_flight is not None:
-            work, index, _ = self.in_flight
-            self.group.wait(work, _what(self.group, index), self.timeout)
-            self.in_flight = None
+        while self.in_flight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, index, data, _ = self.in_flight.popleft()
+        self.flying -= int(data.numel())
+        self.group.wait(work, _what(self.group, index), self.timeout)
 
 
 def send_weights(group: WeightSyncGroup, named_tensors: NamedTensors, version: int,
@@ -247,13 +269,13 @@ def send_weights(group: WeightSyncGroup, named_tensors: NamedTensors, version: i
                 what=f"weight sync (stage {group.stage}) metadata", timeout=timeout)
     maybe_fail("broadcast", version)  # the receivers have the header and wait for the buckets
     layout = BucketLayout(bucket_bytes, direct_bytes)
-    out = _StreamSender(group, timeout)
+    out = _StreamSender(group, timeout, bucket_bytes)
     packed: list[TensorMeta] = []  # of the open bucket, copied into buffer out.slot as they came
     tensors = 0
 
     def close(used: int) -> None:
         if packed:
-            out.send(False, list(packed), group.buffers[out.slot][:used])
+            out.send(False, list(packed), group.buffers[out.slot][:used], out.slot)
             packed.clear()
             out.slot ^= 1  # the bucket just sent is in flight from this slot: fill the other
 
@@ -268,6 +290,8 @@ def send_weights(group: WeightSyncGroup, named_tensors: NamedTensors, version: i
             continue
         if closing:
             close(used)
+        if not packed:  # a new packed bucket: its slot's last broadcast must be over
+            out.free(out.slot)
         buf = _buffer(group, out.slot, offset + nbytes, keep=offset, cap=bucket_bytes)
         if nbytes:
             buf[offset:offset + nbytes].copy_(_as_bytes(tensor), non_blocking=True)
@@ -285,12 +309,18 @@ def _what(group: WeightSyncGroup, index: int) -> str:
     return f"weight sync (stage {group.stage}) bucket {index + 1}"
 
 
+# Where the receiver puts a tensor sent on its own: (name, dtype, shape) -> the engine's own storage for it, or None.
+Placement = Callable[[str, "torch.dtype", tuple[int, ...]], "torch.Tensor | None"]
+
+
 class WeightStream:
     """Rollout side: the header is already received; iterating receives the buckets and yields (name, tensor).
 
     The tensors are views of the group's two reused receive buffers (no copy, bounded memory): load (copy) each
-    one before asking for the next, as ``Engine.update_weights`` does; ``recv_weights`` returns copies. Iterate to
-    the end exactly once (``drain`` finishes an abandoned stream so the group stays in step).
+    one before asking for the next, as ``Engine.update_weights`` does; ``recv_weights`` returns copies. An engine
+    that can take a tensor where it keeps it calls :meth:`receive_into` first: a tensor sent on its own (most of
+    the bytes) is then received straight into that storage and yielded as it (no receive buffer, no copy-out).
+    Iterate to the end exactly once (``drain`` finishes an abandoned stream so the group stays in step).
     """
 
     def __init__(self, group: WeightSyncGroup, header: SyncHeader, timeout: float | None) -> None:
@@ -298,33 +328,81 @@ class WeightStream:
         self.header = header
         self.version = header.version
         self.timeout = timeout
+        self.place: Placement | None = None
+        self.in_place_bytes = 0  # received straight into the engine's storage (the rest went through the buffers)
+        self.buckets_seen = 0
         self._iter = self._receive()
         self.done = False
+
+    def receive_into(self, place: Placement) -> None:
+        """Receive each tensor sent on its own into ``place(name, dtype, shape)`` when that returns a contiguous
+        tensor of that dtype and shape on the group's device (the engine's parameter; None: the receive buffer).
+        An update only: a check sync compares what arrives, it must not overwrite the engine's weights."""
+        if self.header.kind == "update":
+            self.place = place
+
+    def _destination(self, header: BucketHeader) -> torch.Tensor | None:
+        if self.place is None or not header.bucket.direct:
+            return None
+        (meta,) = header.metas
+        dest = self.place(meta.name, _dtype(meta.dtype), meta.shape)
+        if (dest is None or dest.dtype != _dtype(meta.dtype) or tuple(dest.shape) != meta.shape
+                or not dest.is_contiguous() or dest.device != self.group.device):
+            return None  # (a non-contiguous view would be received into a copy and lost)
+        return dest
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._iter
 
     def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        group, index = self.group, 0
+        """Posts every bucket whose header has come (the source sends each header before it waits for older
+        broadcasts, so this never waits for it in a cycle) as long as it has somewhere to land: in place, or in
+        one of the two receive buffers that neither a posted bucket nor the bucket the engine is reading holds."""
+        group = self.group
+        posted: deque[tuple[Any, torch.Tensor, BucketHeader, int | None]] = deque()  # (work, bytes, header, slot)
+        held: set[int] = set()  # buffer slots of posted buckets and of the one being read
+        waiting: list[BucketHeader] = []  # a header whose bucket waits for a free buffer
+        ended = False
 
-        def post() -> tuple[Any, torch.Tensor, BucketHeader] | None:
-            nonlocal index
-            header: BucketHeader | None = group.comms.bcast(None, group.source, group.ranks,
-                                                            what=f"{_what(group, index)} metadata",
-                                                            timeout=self.timeout)
-            if header is None:  # the end mark
-                return None
-            index += 1
-            buf = _buffer(group, header.bucket.index % 2, header.bucket.nbytes)
-            return group.broadcast(buf), buf, header
+        def post_more() -> None:
+            nonlocal ended
+            while not ended:
+                if waiting:
+                    header: BucketHeader | None = waiting.pop()
+                else:
+                    header = group.comms.bcast(None, group.source, group.ranks, timeout=self.timeout,
+                                               what=f"{_what(group, self.buckets_seen)} metadata")
+                    if header is None:  # the end mark
+                        ended = True
+                        return
+                    self.buckets_seen += 1
+                dest = self._destination(header)
+                if dest is not None:  # straight into the engine's storage
+                    self.in_place_bytes += header.bucket.nbytes
+                    posted.append((group.broadcast(_as_bytes(dest)), dest, header, None))
+                    continue
+                free = [slot for slot in (0, 1) if slot not in held]
+                if not free:
+                    waiting.append(header)
+                    return
+                held.add(free[0])
+                buf = _buffer(group, free[0], header.bucket.nbytes)
+                posted.append((group.broadcast(buf), buf, header, free[0]))
+                if posted[0][3] is not None and len(posted) > 1:
+                    return  # the engine's next bucket is a buffered one: hand it over before posting further
 
-        nxt = post()
-        while nxt is not None:
-            work, buf, header = nxt
+        post_more()
+        while posted:
+            work, got, header, slot = posted.popleft()
             group.wait(work, _what(group, header.bucket.index), self.timeout)
-            # Receive the next bucket into the other buffer while the engine loads this one.
-            nxt = post()
-            yield from _unpack(header, buf)
+            post_more()  # receive the next buckets while the engine loads this one
+            if slot is None:
+                yield header.metas[0].name, got  # the engine's own tensor, already holding the new values
+            else:
+                yield from _unpack(header, got)
+                held.discard(slot)
+                if not posted:
+                    post_more()
         group.buffers.clear()  # the engine has copied every tensor out
         if self.header.kind == "update":
             group.version = self.version

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -145,44 +146,59 @@ class StageSender:
         """Broadcast ``named`` (HF names, this stage's full tensors on the device) bucket by bucket, each bucket as one
         flat uint8 tensor (:func:`sglang_mapping.flatten_bucket`: one collective per bucket, not one per tensor);
         returns (the bytes sent, why the group broke or None). A broken group is aborted and the rest of the
-        buckets is not sent: the engine leaders get ``("abort", version)`` instead of ``("done", version)``."""
+        buckets is not sent: the engine leaders get ``("abort", version)`` instead of ``("done", version)``.
+
+        Double-buffered (issue 33): bucket k+1 is exported and packed into one of two reused buffers while bucket k
+        is on the wire from the other (a fresh buffer per bucket costs its page faults on a CPU, and packing after
+        the broadcast put the export on the sync's critical path); the buffers are released after the sync."""
         from milehpc.comm.collectives import collective_device
 
         total, broken = 0, None
         # NCCL takes CUDA tensors only: the bucket goes from the trainer's device (a no-op for tensors exported there;
         # a copy for any that a trainer left on the host). gloo: the CPU.
         device = collective_device(self.pg)
-        for bucket in sm.buckets(named, bucket_bytes):
-            flat, meta = sm.flatten_bucket(bucket)
-            flat = flat.to(device)
-            self.comms.bcast(("bucket", meta), self.comms.rank, self.members,
-                             what=f"weight bucket metadata (stage {self.stage})")
-            try:
-                self._broadcast(flat, attempt)
-            except SyncBroken as err:
-                broken = str(err)
-                self.drop(abort=True)
-                for _ in named:  # the rest of a lazy export: its gathers are collectives the TP peers are in
-                    pass
-                break
-            total += flat.numel()
+        buffers: list[Any] = [None, None]
+        in_flight: _InFlight | None = None  # the broadcast of the bucket before
+        try:
+            for k, bucket in enumerate(sm.buckets(named, bucket_bytes)):
+                flat, meta = sm.flatten_bucket(bucket, out=lambda n, dev, slot=k % 2: _reused(buffers, slot, n, dev))
+                flat = flat.to(device)
+                total += self._finish(in_flight, attempt)
+                in_flight = None
+                self.comms.bcast(("bucket", meta), self.comms.rank, self.members,
+                                 what=f"weight bucket metadata (stage {self.stage})")
+                in_flight = self._start(flat)
+            total += self._finish(in_flight, attempt)
+        except SyncBroken as err:
+            broken = str(err)
+        if broken is not None:
+            self.drop(abort=True)
+            for _ in named:  # the rest of a lazy export: its gathers are collectives the TP peers are in
+                pass
+        buffers.clear()
         self.comms.bcast(("abort" if broken else "done", version), self.comms.rank, self.members,
                          what=f"end of weight sync (stage {self.stage})")
         return total, broken
 
-    def _broadcast(self, flat: Any, attempt: int) -> None:
-        """One broadcast from rank 0 of the update group, polled so that a dead peer ends it: by the backend's
-        error, by an engine leader's failure report over MPI (:data:`TAG_SYNC_FAILED`), or, as the last resort, by
-        the collective timeout (which fails the job)."""
+    def _start(self, flat: Any) -> _InFlight:
+        """Start one broadcast of ``flat`` from rank 0 of the update group."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         try:
-            work = self.pg.broadcast([flat], opts)
+            return _InFlight(self.pg.broadcast([flat], opts), flat, int(flat.numel()))
         except Exception as err:  # noqa: BLE001 - refused at the enqueue (NCCL: a tensor it cannot take): the engines
             # wait inside update_weights_from_distributed, so they must hear "abort", not be left to their timeout
             raise SyncBroken(f"the broadcast could not start: {str(err).splitlines()[0][:200]}") from err
+
+    def _finish(self, in_flight: _InFlight | None, attempt: int) -> int:
+        """Wait for a broadcast (returns its bytes; 0 for none), polled so that a dead peer ends it: by the backend's
+        error, by an engine leader's failure report over MPI (:data:`TAG_SYNC_FAILED`), or, as the last resort, by
+        the collective timeout (which fails the job)."""
+        if in_flight is None:
+            return 0
+        work = in_flight.work
         reports: list[str] = []
 
         def over() -> bool:
@@ -200,6 +216,24 @@ class StageSender:
             work.wait()
         except Exception as err:  # noqa: BLE001 - gloo: "Connection closed by peer" when a scheduler died
             raise SyncBroken(f"the broadcast failed: {str(err).splitlines()[0][:200]}") from err
+        return in_flight.nbytes
+
+
+@dataclass
+class _InFlight:
+    work: Any
+    flat: Any  # the bytes on the wire: kept alive (and their buffer not refilled) until the work is done
+    nbytes: int
+
+
+def _reused(buffers: list[Any], slot: int, nbytes: int, device: Any) -> Any:
+    """``nbytes`` of the sender's buffer ``slot`` on ``device``, grown (never shrunk) within one sync."""
+    import torch
+
+    buf = buffers[slot]
+    if buf is None or buf.numel() < nbytes or buf.device != device:
+        buf = buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes]
 
 
 def failure_reports(comms: Comms, leaders: list[int], attempt: int) -> list[str]:

@@ -20,7 +20,7 @@ rm -f "$MILEHPC_RUN_DIR/.milehpc/checkpoint-request" "$MILEHPC_RUN_DIR/.milehpc/
 # Environment of every rank (site values cite the site's user guide; job [env] last).
 export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=1
-export OMPI_MCA_btl='^ofi'
+export OMPI_MCA_btl='^ofi,tcp'
 export MILEHPC_EXAMPLE="${HOME}/data"
 
 # Rendezvous for torch.distributed: this shell runs on the first node; the port is seeded by the job id so

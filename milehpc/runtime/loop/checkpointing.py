@@ -207,7 +207,7 @@ class LoopCheckpoint:
         assert decision is not None
         if decision.save and self.rank == 0:
             assert mailbox is not None, "trainer rank 0 of separate groups tells the rollout ranks by its mailbox"
-            for r in plan.rollout_group():
+            for r in [*plan.rollout_group(), *plan.reward_group()]:  # reward ranks: runtime.loop.reward_side
                 mailbox.send((CHECKPOINT, {"step": done, "stop": decision.stop}), r, TAG_NOTICE,
                              f"checkpoint notice to rank {r}")
         return decision

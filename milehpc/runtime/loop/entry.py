@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from milehpc.comm.context import RunContext
     from milehpc.rollout.engine import Engine
     from milehpc.runtime.loop.checkpointing import LoopCheckpoint
+    from milehpc.runtime.loop.reward_side import RewardRank
     from milehpc.runtime.offload import ColocatedStep
     from milehpc.train.base import Trainer
 
@@ -27,6 +28,11 @@ def run(ctx: RunContext, *, progress: bool = True, checkpointing: LoopCheckpoint
     engine: Engine | None = None
     trainer: Trainer | None = None
     colo: ColocatedStep | None = None
+    reward_rank: RewardRank | None = None
+    if plan.is_reward(comms.rank):  # starts its scorer process before the start-up barrier (it loads a model)
+        from milehpc.runtime.loop.reward_side import RewardRank
+
+        reward_rank = RewardRank(ctx, checkpointing or LoopCheckpoint.for_context(ctx))
     if plan.is_rollout(comms.rank):
         engine = plugins.load("engine", job.rollout.engine, file=file, field="rollout.engine")(ctx)
     if plan.colocated and engine is not None:
@@ -53,6 +59,9 @@ def run(ctx: RunContext, *, progress: bool = True, checkpointing: LoopCheckpoint
         # is still loading. A rank that dies meanwhile is named by the heartbeat watchdog as usual.
         comms.barrier(what="start-up: every rank builds its engine and trainer",
                       timeout=job.resources.startup_timeout_s)
+    if reward_rank is not None:
+        reward_rank.run()
+        return []
     ckpt = checkpointing or LoopCheckpoint.for_context(ctx)
     if plan.colocated:
         from milehpc.runtime.loop.colocated import run_colocated

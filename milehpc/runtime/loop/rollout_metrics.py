@@ -45,6 +45,9 @@ def rollout_metrics(stats: dict[str, float]) -> dict[str, float]:
             out[f"time/{key}"] = stats[f"time_{key}"]
     if stats.get("time_gen", 0.0) > 0:
         out["perf/gen_tokens_per_s"] = stats.get("gen_tokens", 0.0) / stats["time_gen"]
+    for key in ("failed", "dropped", "rescored", "restarts"):  # reward ranks ([reward_model]): their scorer's counts
+        if f"reward_{key}" in stats:
+            out[f"reward/{key}"] = stats[f"reward_{key}"]
     for key, total in stats.items():
         if key.startswith(PART):  # e.g. combine's parts: the exact-match score beside the reward model's
             out["reward/" + key.removeprefix(PART)] = total / n

@@ -10,7 +10,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from milehpc.config.job import ROLLOUT_LOOP_OPTIONS
 from milehpc.data.images import prompt_images
@@ -35,15 +35,28 @@ class SentBatch:
     stats: dict[str, float]
 
 
-def generator_context(generator: Callable[..., Any], tokenizer: Any, file: str | None) -> dict[str, Any]:
-    """What a generator may ask for by keyword: ``run_dir`` (the private run directory, None in a local run) and
-    ``tokenizer`` (the job's; the agent generator's endpoint renders chat templates with it)."""
+def generator_context(generator: Callable[..., Any], tokenizer: Any, file: str | None,
+                      job: JobSpec | None = None) -> dict[str, Any]:
+    """What a generator may ask for by keyword: ``run_dir`` (the private run directory, None in a local run),
+    ``tokenizer`` (the job's; the agent generator's endpoint renders chat templates with it) and ``model_type`` (the
+    model's family: the agent generator's default tool-call parser)."""
     import inspect
     from pathlib import Path
 
     accepts = inspect.signature(generator).parameters
-    known = {"run_dir": str(Path(file).parent) if file else None, "tokenizer": tokenizer}
+    known: dict[str, Any] = {"run_dir": str(Path(file).parent) if file else None, "tokenizer": tokenizer}
+    if "model_type" in accepts and job is not None:
+        from milehpc.config.families import job_model_type
+
+        known["model_type"] = job_model_type(job)
     return {k: v for k, v in known.items() if k in accepts}
+
+
+class RemoteScoring(Protocol):
+    """Scoring on other ranks (:class:`milehpc.runtime.loop.reward_side.RewardClient`): generates ``prompts`` with
+    ``side`` and returns the finished groups, scored."""
+
+    def generate_and_score(self, side: RolloutSide, prompts: list[Any], stats: dict[str, float]) -> list[Group]: ...
 
 
 class RolloutSide:
@@ -84,13 +97,15 @@ class RolloutSide:
             spec = plugins.lookup("generator", ro.generator, file=file, field="rollout.generator")
             self.generator_params = merge_params(spec.defaults, ro.generator_params)  # checked on the login node
             self.generator = plugins.load("generator", ro.generator)
-            self.generator_context = generator_context(self.generator, self.tokenizer, file)
+            self.generator_context = generator_context(self.generator, self.tokenizer, file, job)
         self.options = {**ROLLOUT_LOOP_OPTIONS, **ro.options}
         self.state = LoopState()
         # This engine's quota of each step's prompts.
         self.quota = ro.prompts_per_step // num_engines + (engine_index < ro.prompts_per_step % num_engines)
         self._cursor = 0  # this engine's own prompt counter; global position = cursor * E + e
         self.outbox: list[SentBatch] = []  # sent to the trainer, not yet trained
+        # [reward_model] ranks of their own: the samples are scored there (runtime.loop.reward_side), else here
+        self.remote: RemoteScoring | None = None
         # Seconds the driver spent on weights since the last batch (waiting, loading): reported with the next one.
         self.weight_times: dict[str, float] = {}
 
@@ -115,12 +130,15 @@ class RolloutSide:
             rounds += 1
             want = need - len(groups)
             k = math.ceil(want * ro.over_sample) if ro.dynamic_filter or ro.over_sample > 1 else want
-            t0 = time.perf_counter()
-            finished = self._generate(self._take(k), stats)
-            stats["time_gen"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            self._score([s for g in finished for s in g if s.reward is None])
-            stats["time_reward"] += time.perf_counter() - t0
+            if self.remote is not None:
+                finished = self.remote.generate_and_score(self, self._take(k), stats)
+            else:
+                t0 = time.perf_counter()
+                finished = self._generate(self._take(k), stats)
+                stats["time_gen"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                self._score([s for g in finished for s in g if s.reward is None])
+                stats["time_reward"] += time.perf_counter() - t0
             for g in finished:
                 self._count(g, stats)
                 rewards = {round(s.scalar_reward, 9) for s in g if s.status is not Status.FAILED}

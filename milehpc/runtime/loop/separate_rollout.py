@@ -17,8 +17,9 @@ engine that dies during an evaluation is restarted and re-synced the same way, t
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 from milehpc.errors import RuntimeFailure
@@ -63,6 +64,10 @@ class SeparateRollout:
         self.direct = direct_weight_sync(self.job)
         self.evals = LoopEval.for_job(self.job, file=str(ctx.run_dir / "job.toml"),
                                       announce=e == 0) if self.side.leader else None
+        if self.side.leader and self.plan.reward_ranks:  # scoring on the reward ranks (runtime.loop.reward_side)
+            from milehpc.runtime.loop.reward_side import RewardClient
+
+            self.side.remote = RewardClient(self.box, self.plan.reward_leader_for(e), self.job.reward_model.chunks)
 
     def run(self) -> None:
         job, side, box = self.job, self.side, self.box
@@ -96,7 +101,8 @@ class SeparateRollout:
             if side.leader:
                 if self.direct:
                     self.engine_turn(b)
-                groups, stats = side.produce()
+                with self.resyncs_through((RESYNC, b, [], {}), TAG_BATCH, f"batch {b}"):
+                    groups, stats = side.produce()
                 box.send((BATCH, b, groups, stats), 0, TAG_BATCH, f"batch {b} to trainer rank 0")
                 side.sent(b, groups, stats)
             else:
@@ -104,6 +110,8 @@ class SeparateRollout:
                 if self.direct:
                     self.serve_resyncs()
         if side.leader:
+            if side.remote is not None:
+                side.remote.bye(side.state.step)
             box.send((BYE, side.state.step, [], {}), 0, TAG_BATCH, "end of rollouts")
         box.flush()
 
@@ -131,6 +139,8 @@ class SeparateRollout:
         if kind == STOP:
             return False
         if kind == CHECKPOINT:
+            if self.side.remote is not None:  # its reward rank joins the save once every leader it serves has
+                self.side.remote.at_checkpoint(int(arg["step"]))
             self.ckpt.on_notice(self.side, arg)
             return True
         version, eval_step = arg if kind == EVAL_WEIGHTS else (int(arg), None)
@@ -164,8 +174,9 @@ class SeparateRollout:
                 fault = False
                 self.engine.kill_scheduler()  # type: ignore[attr-defined]
             try:
-                return self.evals.share(self.engine, self.side.state.weight_version, engine_index=self.side.e,
-                                        num_engines=self.plan.engines)
+                with self.resyncs_through((step, RESYNC), TAG_EVAL, f"evaluation of step {step}"):
+                    return self.evals.share(self.engine, self.side.state.weight_version, engine_index=self.side.e,
+                                            num_engines=self.plan.engines)
             except RuntimeFailure:
                 if not self.direct or cast("DirectSyncEngine", self.engine).health():
                     raise
@@ -174,13 +185,30 @@ class SeparateRollout:
     def restart_resynced(self, request: Any, tag: int, what: str) -> None:
         """Restart the dead engine in place, ask trainer rank 0 for a re-sync (``request`` on ``tag``) and wait,
         serving re-syncs, until the engine holds the trainer's weights again."""
+        cast("DirectSyncEngine", self.engine).restart()
+        self.await_resync(request, tag, what)
+
+    def await_resync(self, request: Any, tag: int, what: str) -> None:
+        """Ask trainer rank 0 for a re-sync of the restarted engine and wait, serving re-syncs, until it is filled."""
         engine = cast("DirectSyncEngine", self.engine)
-        engine.restart()
         self.box.send(request, 0, tag, f"re-sync request ({what}) to trainer rank 0")
         self.wait_serving(lambda: None if engine.needs_weight_sync else (True,),
                           f"re-sync of restarted engine {self.side.e} ({what})")
 
-    # ---- engines that receive weights directly (SGLang) ---------------------------------------------------
+    # ---- engines that receive weights directly (SGLang, vLLM) ---------------------------------------------
+    @contextlib.contextmanager
+    def resyncs_through(self, request: Any, tag: int, what: str) -> Iterator[None]:
+        """During a call that may generate: an engine that restarts itself when it dies mid-call (vLLM's supervisor,
+        its ``resync`` hook) has the trainer re-sync it with ``request`` on ``tag``, as :meth:`restart_resynced`."""
+        if not self.direct or not hasattr(self.engine, "resync"):
+            yield
+            return
+        self.engine.resync = lambda: self.await_resync(request, tag, what)  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            self.engine.resync = None  # type: ignore[attr-defined]
+
     def serve_resyncs(self) -> bool:
         """Take part in every re-sync the trainer has announced (after some engine restarted). Every sync has the
         same protocol, so it does not matter whether a re-sync or a regular one is taken first. False on stop."""

@@ -198,7 +198,7 @@ class SeparateTrainer:
 
     def stop_rollouts(self) -> None:
         """Stop the rollout ranks and drain what they still send, so nothing is in flight at shutdown."""
-        for r in self.rollout_ranks:
+        for r in [*self.rollout_ranks, *self.plan.reward_group()]:  # the reward ranks end after their leaders
             self.box.send(STOP_NOTICE, r, TAG_NOTICE, f"stop notice to rank {r}")
         for src in self.leaders:
             while (kind := self.box.recv(src, TAG_BATCH, f"end of rollouts from rank {src}")[0]) != BYE:

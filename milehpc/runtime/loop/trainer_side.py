@@ -165,6 +165,8 @@ def world_facts(comms: Comms) -> dict[str, float]:
 
     facts = {"dist/mpi_world_size": float(comms.world.Get_size()),
              "dist/rollout_ranks": float(comms.plan.rollout_ranks)}
+    if comms.plan.reward_ranks:
+        facts["dist/reward_ranks"] = float(comms.plan.reward_ranks)
     if dist.is_available() and dist.is_initialized():
         facts["dist/trainer_world_size"] = float(dist.get_world_size())
     return facts
