@@ -2,11 +2,10 @@
 (``[rollout] generator = "agent"``, ``generator_params.agent = "agent_calculator:run"``; see agent-calculator.toml).
 
 The policy is asked an addition. It may call the ``calc`` tool (the environment: it evaluates the question it was
-given and answers with the sum); then it answers. Reward: the right final answer after a ``calc`` call earns the
-most (1); a call without it earns a small part (``CALL_CREDIT``, plus a share per right digit of the answer), a
-repeated call nothing more, an answer without a call nothing (the task is to use the tool). The warm-up imitates
-whole episodes (the call, the tool's result, the answer that copies it), so RL starts from a policy that sometimes
-answers and rewards it for answering right.
+given and answers with the sum); then it answers. Reward: half for a well-formed ``calc`` call, half for the right
+final answer (partial credit per right digit). What the CPU demo learns is the call alone: its warm-up imitates the
+call, and after the tool's result the policy calls again rather than answer (measured: no right answer in 30 steps
+of 64 episodes; the reward's rise, 0.23 -> 0.47, is the call's half).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ def digits_right(answer: str, expected: str) -> float:
 
 # ---- the CPU demo's tokenizer and prompts (a real model's tokenizer and data replace these on a GPU) ----
 CALL = '<tool_call>{"name": "calc", "arguments": {}}</tool_call>'
-CALL_CREDIT = 0.2  # small: a call alone must be worth much less than the answer it is for
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -61,24 +59,17 @@ def build_tokenizer(folder: str) -> str:
     return folder
 
 
-def demonstration(question: str) -> str:
-    """A whole episode as the policy's text after the prompt: the call, the tool's result (as the chat template
-    renders it), the answer copying the result (the trainer appends the final EOS)."""
-    result = evaluate(question)
-    return f"{CALL}<|im_end|>\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n{result}"
-
-
-def write_prompts(path: str, count: int = 2000, seed: int = 0) -> str:
-    """``count`` additions ``a+b=`` (one digit each) as chat prompts; the label is the demonstration of a whole
-    episode (what ``trainer.sft_warmup_steps`` imitates before RL takes over)."""
+def write_prompts(path: str, count: int = 200, seed: int = 0) -> str:
+    """``count`` additions ``a+b=`` (one digit each) as chat prompts; the label is the demonstration of a tool
+    call (what ``trainer.sft_warmup_steps`` imitates before RL takes over)."""
     import json
     import random
 
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(count):
-            q = f"{rng.randrange(100)}+{rng.randrange(100)}="
-            f.write(json.dumps({"prompt": [{"role": "user", "content": q}], "label": demonstration(q)}) + "\n")
+            q = f"{rng.randrange(10)}+{rng.randrange(10)}="
+            f.write(json.dumps({"prompt": [{"role": "user", "content": q}], "label": CALL}) + "\n")
     return path
 
 
@@ -99,9 +90,7 @@ async def run(client: Any, sample: dict[str, Any], *, max_turns: int = 2) -> dic
         for call in calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": evaluate(question)})
     expected = evaluate(question)
-    # A second call leaves no turn to answer in: it earns what one call does. No call: the task was not done.
-    right = digits_right(answer, expected) if called else 0.0
-    score = 1.0 if right == 1.0 else CALL_CREDIT * called + (1 - CALL_CREDIT) * 0.5 * right
+    score = 0.5 * called + 0.5 * (digits_right(answer, expected) if called else 0.0)
     return {"reward": score, "tool_call": float(called), "correct": float(answer.strip() == expected)}
 
 

@@ -235,9 +235,18 @@ def model_family_is_supported(job: JobSpec, file: str | None) -> None:
             check_megatron_family(model_type, file=file)
 
 
-# Engines that take image prompts. SGLang 0.5.23 ships Qwen2.5-VL and Qwen3-VL model classes, but its CPU path was
-# not run with them here, and the engine adapter sends token ids alone (no image data): refused until both are done.
+# Engines that take image prompts. Why the others are refused, as measured here (README's VL section): sglang 0.5.23's
+# CPU engine does serve Qwen2.5-VL (first-token logprobs = transformers' within 5e-7 in float32, 14-pixel patches), but
+# milehpc's adapters send token ids alone and sync no vision tower; vllm 0.32.0's Qwen2.5-VL class does not import
+# in its environment (torchvision missing).
 VISION_ENGINES = ("reference",)
+VISION_REFUSALS = {
+    "sglang": "sglang 0.5.23's CPU path serves Qwen2.5-VL, but milehpc's sglang adapter does not yet pass the images "
+              "(image_data) nor sync the vision tower",
+    "vllm": "vllm 0.32.0's Qwen2.5-VL class fails at import (vllm/model_executor/models/qwen2_vl.py imports "
+            "transformers' Qwen2-VL image processor, which needs torchvision, absent from the vllm environment), and "
+            "milehpc's vllm adapter sends token ids alone (no multi_modal_data) and syncs no vision tower",
+}
 
 
 def vision_models_roll_out_on_the_reference_engine(job: JobSpec, file: str | None) -> None:
@@ -249,9 +258,10 @@ def vision_models_roll_out_on_the_reference_engine(job: JobSpec, file: str | Non
 
     model_type = folder_model_type(job.model.path) if job.model.path else None
     if model_type in VISION_FAMILIES and job.rollout.engine not in VISION_ENGINES:
+        why = VISION_REFUSALS.get(job.rollout.engine, "it takes no images")
         raise ConfigError(f"expected rollout.engine = {' or '.join(map(repr, VISION_ENGINES))} for a vision-language "
-                          f"model ({model_type}: images in the prompts), got {job.rollout.engine!r}", file=file,
-                          field="rollout.engine")
+                          f"model ({model_type}: images in the prompts; {why}), got {job.rollout.engine!r}",
+                          file=file, field="rollout.engine")
     if model_type in VISION_FAMILIES and job.rollout.generator:
         # A generator (multi-turn, tools, agents) re-renders its history as text and token ids: the image parts and
         # their pixels would be lost after the first turn.

@@ -152,10 +152,11 @@ def agent_generator(engine: Any, prompts: list[Any], sampling: SamplingParams, *
                     tool_parser: str | None = None, unix_socket: bool = False, run_dir: str | None = None,
                     tokenizer: Any = None, model_type: str | None = None) -> list[Sample]:
     """``sampling.n`` episodes per prompt; their samples prompt-major (a split episode gives several).
-    ``tool_parser`` None: the parser of the ``model_type`` family (checked on the login node)."""
+    ``tool_parser`` None: the parser of the ``model_type`` family (checked on the login node; the rollout loop
+    passes it), ``qwen25`` for a caller that names neither."""
     tok = tokenizer if tokenizer is not None else engine.tokenizer
     try:
-        parser = parser_name(tool_parser, model_type)
+        parser = parser_name(tool_parser, model_type) if tool_parser or model_type else "qwen25"
     except ValueError as err:
         raise ConfigError(str(err), field="rollout.generator_params.tool_parser") from None
     ep = endpoint_for(engine, tok, sampling, run_dir=run_dir, tool_parser=parser, unix_socket=unix_socket)

@@ -63,8 +63,8 @@ def parse_qwen25(text: str, tools: Iterable[str] | None = None, *, id_prefix: st
             malformed += 1
             continue
         calls.append(_call(name, obj.get("arguments", {}), f"{id_prefix}_{len(calls)}"))
-    if "</tool_call>" not in text[start:]:  # cut off inside the call (max_tokens): nothing to run
-        malformed += 1
+    # a call cut off before its end (max_tokens): nothing to run
+    malformed += text.count("<tool_call>", start) - text.count("</tool_call>", start)
     content = text[:start].strip() or None
     return ParsedTurn(content=content, tool_calls=calls, malformed=malformed)
 
