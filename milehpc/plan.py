@@ -9,7 +9,7 @@ only the layout's parameters, so a 10,000-node plan is as small as a 1-node one;
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from milehpc.config.job import JobSpec
@@ -58,6 +58,11 @@ class Plan:
     # The site launcher's GPU binding (config.site.Launcher.gpu_binding): what each rank's process sees. Defaulted so
     # a plan.json written before the field existed still loads (it then means Slurm's usual per-task binding).
     gpu_binding: str = "per-task"
+    # resources.elastic_rollout: the trainer ranks are one MPI world (one srun step) and each rollout node's engines a
+    # step of their own, joining trainer rank 0 over TCP (milehpc.runtime.elastic); spare_nodes are allocated beyond
+    # the layout for engines started again after a rollout step failed.
+    elastic: bool = False
+    spare_nodes: int = 0
 
     # ---- per-rank facts -------------------------------------------------
     def role(self, rank: int) -> str:
@@ -128,13 +133,26 @@ class Plan:
     def weight_sync_groups(self) -> list[dict[str, Any]]:
         """One group per pipeline stage (as slime does): that stage's leader (tp=0, dp=0) and every rollout rank.
         Colocated runs update in place and have none."""
-        if self.colocated:
+        if self.colocated or not self.rollout_ranks:
             return []
         return [
             {"stage": pp, "source": self.trainer_rank(0, 0, pp), "ranks": [self.trainer_rank(0, 0, pp),
                                                                          *self.rollout_group()]}
             for pp in range(self.pp)
         ]
+
+    # ---- elastic rollout ---------------------------------------------------
+    def trainer_only(self) -> Plan:
+        """The trainer step's own world (elastic rollout): the trainer ranks alone, no rollout rank in it."""
+        return replace(self, world_size=self.trainer_ranks, rollout_first=self.trainer_ranks, rollout_ranks=0,
+                       engines=0, nodes=math.ceil(self.trainer_ranks / self.ranks_per_node), spare_nodes=0)
+
+    def rollout_steps(self) -> list[tuple[int, int, int]]:
+        """Elastic rollout: one ``(node, first engine, engines)`` per rollout node (node = index in the allocation)."""
+        out = []
+        for e in range(0, self.engines, self.ranks_per_node):
+            out.append((self.node_of(self.rollout_first + e), e, min(self.ranks_per_node, self.engines - e)))
+        return out
 
     # ---- (de)serialisation ---------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -200,6 +218,11 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
                 f"{ro.gpus_per_engine} GPUs cannot fill; make the trainer ranks a multiple of {align}",
                 file=file, field="rollout.gpus_per_engine")
         world = trainer_ranks + rollout_ranks
+    elastic = job.resources.elastic_rollout and not job.resources.colocate
+    if elastic and partition.scheduler == "slurm" and trainer_ranks % per_node:
+        raise ConfigError(f"expected the trainer's ranks to fill whole nodes of {per_node} with "
+                          f"resources.elastic_rollout (a rollout node is a job step of its own), got {trainer_ranks}",
+                          file=file, field="trainer.dp")
     nodes = math.ceil(world / per_node)
     if job.resources.nodes is not None:
         if job.resources.nodes < nodes:
@@ -216,6 +239,10 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
     if nodes > partition.max_nodes:
         raise ConfigError(f"the layout needs {nodes} node(s); partition '{partition_name}' allows {partition.max_nodes}",
                           file=file, field="resources.nodes")
+    spare = job.resources.spare_nodes if elastic else 0
+    if nodes + spare > partition.max_nodes:
+        raise ConfigError(f"the layout's {nodes} node(s) and {spare} spare(s) exceed the {partition.max_nodes} of "
+                          f"partition '{partition_name}'", file=file, field="resources.spare_nodes")
     backend = "nccl" if partition.devices.vendor in ("nvidia", "amd") else "gloo"
     return Plan(
         job_name=job.name, site=site, partition=partition_name, nodes=nodes, ranks_per_node=per_node,
@@ -223,6 +250,7 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
         backend=backend, gpus_per_rank=gpus_per_rank, trainer_ranks=trainer_ranks, tp=tr.tp, pp=tr.pp, dp=tr.dp,
         ep=tr.ep, rollout_first=rollout_first, rollout_ranks=rollout_ranks, engines=ro.engines,
         gpus_per_engine=ro.gpus_per_engine, gpu_binding=partition.launcher.gpu_binding,
+        elastic=elastic, spare_nodes=job.resources.spare_nodes if elastic else 0,
     )
 
 

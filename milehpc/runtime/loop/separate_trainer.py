@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 class SeparateTrainer:
     """One trainer rank of a separate-groups job (see the module docstring)."""
 
+    push_at_start = False  # send the weights before the first step even when the engines start with them
+
     def __init__(self, ctx: RunContext, trainer: Trainer, checkpointing: LoopCheckpoint, *, progress: bool) -> None:
         self.job, self.comms, self.plan = ctx.job, ctx.comms, ctx.plan
         _, self.dp, _ = self.plan.trainer_coords(self.comms.rank)
@@ -67,7 +69,7 @@ class SeparateTrainer:
         try:
             resumed = self.ckpt.restore(trainer=side)
             side.warmup()
-            if job.trainer.sft_warmup_steps > 0 or resumed or self.direct:  # resumed: the engines were rebuilt
+            if job.trainer.sft_warmup_steps > 0 or resumed or self.direct or self.push_at_start:  # resumed: the engines were rebuilt
                 self.push_weights(self.trainer.version)
             for step in range(side.state.step, job.run.steps):
                 t0 = time.perf_counter()
