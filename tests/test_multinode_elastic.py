@@ -1,0 +1,109 @@
+"""Elastic rollout on the multi-node test cluster (tests/cluster/multinode.sh): a rollout node killed mid-run costs
+its engine, not the job.
+
+One job (trainer on the first node, an engine on each of the next two, one spare node) and, beside it, the same job
+run locally without any kill (the local site starts the same trainer and engine processes). The rollout node of
+engine 0 is killed after a few steps: the trainer names it in one line and deals its unfinished prompts to the other
+engine (``rollout/engines`` drops to 1), the job script starts an engine on the spare node, which joins at a step
+boundary with the current weights (``rollout/engines`` back to 2), and the job completes every step. Each prompt's
+group is sampled from the prompt's own seed, so the killed run's final parameters and optimizer state equal the
+uninterrupted run's bit for bit: no prompt lost, none trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ckpt_helpers import differences, final_state, job_toml, prepare_local, start_script
+
+sys.path.insert(0, str(Path(__file__).parent / "cluster"))
+import harness  # noqa: E402
+import multinode_harness as mn  # noqa: E402
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow(minutes=2)]
+
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def mcli():
+    import os
+
+    mn.ensure_cluster()
+    saved = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = mn.SLURM_CONF
+    client = mn.Cli(mn.workdir("elastic-cli"))
+    yield client
+    client.cleanup()
+    if saved is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = saved
+
+
+def _job(delay: float, spare: int) -> str:
+    """ckpt_helpers' job without what elastic rollout refuses (partial rollouts), two engines; the reward sleeps
+    ``delay`` s per prompt so that the node dies mid-run and the spare's engine has steps left to serve."""
+    text = job_toml(STEPS, env={"MILEHPC_TEST_REWARD_DELAY": str(delay)}, time_limit="00:10:00",
+                    add={"rollout": "engines = 2\npartial_rollout = false",
+                         "resources": f"collective_timeout_s = 10\nelastic_rollout = true\nspare_nodes = {spare}"})
+    return text
+
+
+def _log(run_dir: Path, job_id: str) -> str:
+    path = run_dir / "logs" / f"slurm-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_rollout_node_dies_the_elastic_job_goes_on_a_spare_rejoins_and_nothing_is_lost(mcli, tmp_path: Path) -> None:
+    mn.wait_nodes_idle()
+    base = mn.workdir("elastic")
+    job = base / "job.toml"
+    job.write_text(_job(0.5, spare=1))
+    run_dir = base / "run"
+    job_id = mcli.submit(job, run_dir)
+    ref_dir = prepare_local(tmp_path, "uninterrupted", _job(0, spare=0))
+    ref = start_script(ref_dir)
+    killed = None
+    try:
+        deadline = time.monotonic() + 240
+        while len(_records(run_dir)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        joined = re.search(r"engine 0 \(on (\w+)\) joined", _log(run_dir, job_id))
+        assert joined and len(_records(run_dir)) >= 3, _log(run_dir, job_id)[-3000:]
+        killed = int(joined.group(1)[len(mn.PREFIX):])
+        mn.node("kill", killed)
+        [st] = harness.wait_for(job_id, timeout=300)
+        assert ref.wait(timeout=300) == 0, (ref_dir / "logs" / "job.out").read_text()[-3000:]
+    finally:
+        if killed is not None:
+            mn.node("revive", killed)
+        if ref.poll() is None:
+            ref.kill()
+    log = _log(run_dir, job_id)
+    assert st.state == "COMPLETED", log[-4000:]
+    dead = mn.host(killed)
+    lost = [line for line in log.splitlines() if "elastic rollout: lost" in line]
+    assert len(lost) == 1 and lost[0].startswith(f"milehpc: elastic rollout: lost engine 0 (on {dead}): "), lost
+    assert re.search(rf"the rollout step on {dead} .*; starting 1 engine\(s\) on spare node (\w+)", log), log[-3000:]
+    assert re.search(r"engine 2 \(on \w+\) joined \(2 engine\(s\) live\)", log), log[-3000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == list(range(STEPS))  # the job went on to its end
+    engines = [int(r["rollout/engines"]) for r in records]
+    shrunk = engines.index(1)  # the engine count drops, then the spare's engine brings it back
+    assert engines[:shrunk] == [2] * shrunk and shrunk >= 2 and 2 in engines[shrunk:], engines
+    assert sum(r["rollout/engines_lost"] for r in records) == 1
+    assert all(r["rollout/groups"] == 4 for r in records)  # every prompt of every step, once
+    different = differences(final_state(ref_dir, STEPS), final_state(run_dir, STEPS))
+    assert not different, different[:5]
+    mn.wait_nodes_idle()
