@@ -46,13 +46,16 @@ def mcli():
         os.environ["SLURM_CONF"] = saved
 
 
-def _job(delay: float, spare: int) -> str:
-    """ckpt_helpers' job without what elastic rollout refuses (partial rollouts), two engines; the reward sleeps
-    ``delay`` s per prompt so that the node dies mid-run and the spare's engine has steps left to serve."""
-    text = job_toml(STEPS, env={"MILEHPC_TEST_REWARD_DELAY": str(delay)}, time_limit="00:10:00",
+def _job(spare: int, slow_while: Path | None = None) -> str:
+    """ckpt_helpers' job without what elastic rollout refuses (partial rollouts), two engines. With ``slow_while``
+    the reward sleeps a second per prompt while that file exists: the node dies mid-run and the spare's engine joins
+    with steps left to serve, however long its start-up takes on a loaded machine; then the test removes the file."""
+    env = {"MILEHPC_TEST_REWARD_DELAY": "1.0" if slow_while else "0"}
+    if slow_while:
+        env["MILEHPC_TEST_REWARD_DELAY_WHILE"] = str(slow_while)
+    return job_toml(STEPS, env=env, time_limit="00:10:00",
                     add={"rollout": "engines = 2\npartial_rollout = false",
                          "resources": f"collective_timeout_s = 10\nelastic_rollout = true\nspare_nodes = {spare}"})
-    return text
 
 
 def _log(run_dir: Path, job_id: str) -> str:
@@ -69,20 +72,26 @@ def test_a_rollout_node_dies_the_elastic_job_goes_on_a_spare_rejoins_and_nothing
     mn.wait_nodes_idle()
     base = mn.workdir("elastic")
     job = base / "job.toml"
-    job.write_text(_job(0.5, spare=1))
+    slow = base / "slow"
+    slow.touch()
+    job.write_text(_job(1, slow_while=slow))
     run_dir = base / "run"
     job_id = mcli.submit(job, run_dir)
-    ref_dir = prepare_local(tmp_path, "uninterrupted", _job(0, spare=0))
+    ref_dir = prepare_local(tmp_path, "uninterrupted", _job(0))
     ref = start_script(ref_dir)
     killed = None
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 300
         while len(_records(run_dir)) < 3 and time.monotonic() < deadline:
             time.sleep(0.2)
         joined = re.search(r"engine 0 \(on (\w+)\) joined", _log(run_dir, job_id))
         assert joined and len(_records(run_dir)) >= 3, _log(run_dir, job_id)[-3000:]
         killed = int(joined.group(1)[len(mn.PREFIX):])
         mn.node("kill", killed)
+        deadline = time.monotonic() + 120  # the spare's engine starts and joins (~20 s on the loaded 2-core CI)
+        while not re.search(r"engine 2 \(on \w+\) joined", _log(run_dir, job_id)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        slow.unlink()  # the spare's engine is in (or never came): the rest at full speed
         [st] = harness.wait_for(job_id, timeout=300)
         assert ref.wait(timeout=300) == 0, (ref_dir / "logs" / "job.out").read_text()[-3000:]
     finally:

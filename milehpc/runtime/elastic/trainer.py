@@ -173,18 +173,25 @@ class ElasticTrainer(SeparateTrainer):
         served: set[int] = set()
         lost = redone = 0
         self.assign(step, list(range(step * per, (step + 1) * per)), owner)
+        progress = time.monotonic()  # the last result: live engines that deliver nothing for the timeout are stuck
         while len(done) < per:
             ev = self.hub.next_event(WAIT_SLICE_S)
             self.comms.check()
+            if time.monotonic() - progress > self.comms.timeout and self.hub.live():
+                owing = sorted({lk.name for i, lk in owner.items() if i not in done})
+                raise RuntimeFailure(f"step {step}: no prompt's group arrived within {self.comms.timeout:.0f} s; "
+                                     f"waiting for {', '.join(owing) or 'no engine'}")
             if ev is None:
                 if not self.hub.live():
                     self.take_joins(block=True)  # every engine is gone: wait for one to (re)join
                     self.assign(step, [i for i in owner if i not in done], owner)
+                    progress = time.monotonic()
                 continue
             if ev[0] == "join":
                 if not self.hub.live():  # nobody left to finish the step: the newcomer does
                     if self.admit(ev[1]):
                         self.assign(step, [i for i in owner if i not in done], owner)
+                        progress = time.monotonic()
                 else:
                     self.pending_joins.append(ev[1])
             elif ev[0] == "lost":
@@ -202,6 +209,7 @@ class ElasticTrainer(SeparateTrainer):
                 _, b, index, group, stats = ev[2]
                 if b == step and owner.get(index) is ev[1] and index not in done:
                     done[index] = (group, stats, ev[1].engine)
+                    progress = time.monotonic()
                     served.add(ev[1].engine)
         for link in self.pending_joins:  # connected during the step: they work from the next one
             self.admit(link)
