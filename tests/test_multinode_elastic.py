@@ -5,7 +5,8 @@ One job (trainer on the first node, an engine on each of the next two, one spare
 run locally without any kill (the local site starts the same trainer and engine processes). The rollout node of
 engine 0 is killed after a few steps: the trainer names it in one line and deals its unfinished prompts to the other
 engine (``rollout/engines`` drops to 1), the job script starts an engine on the spare node, which joins at a step
-boundary with the current weights (``rollout/engines`` back to 2), and the job completes every step. Each prompt's
+boundary with the current weights (``rollout/engines`` back to 2), and the job completes every step, also after Slurm
+declared the node down (which would revoke a job's whole allocation but for ``--no-kill``). Each prompt's
 group is sampled from the prompt's own seed, so the killed run's final parameters and optimizer state equal the
 uninterrupted run's bit for bit: no prompt lost, none trained twice.
 """
@@ -88,10 +89,14 @@ def test_a_rollout_node_dies_the_elastic_job_goes_on_a_spare_rejoins_and_nothing
         assert joined and len(_records(run_dir)) >= 3, _log(run_dir, job_id)[-3000:]
         killed = int(joined.group(1)[len(mn.PREFIX):])
         mn.node("kill", killed)
-        deadline = time.monotonic() + 120  # the spare's engine starts and joins (~20 s on the loaded 2-core CI)
+        deadline = time.monotonic() + 120  # the spare's engine joins (~20 s on the loaded 2-core CI), the node is DOWN
         while not re.search(r"engine 2 \(on \w+\) joined", _log(run_dir, job_id)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        slow.unlink()  # the spare's engine is in (or never came): the rest at full speed
+        # Slurm declares the dead node DOWN after SlurmdTimeout (60 s here) and would then revoke the whole allocation
+        # (NODE_FAIL): the job must outlive that too (sbatch --no-kill).
+        while mn.node_state(killed) != "down*" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        slow.unlink()  # the spare's engine is in and the node is down (or the wait ran out): the rest at full speed
         [st] = harness.wait_for(job_id, timeout=300)
         assert ref.wait(timeout=300) == 0, (ref_dir / "logs" / "job.out").read_text()[-3000:]
     finally:

@@ -11,6 +11,7 @@ fresh per connection, so a recorded answer is worth nothing. The server listens 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import pickle
@@ -61,16 +62,15 @@ class Connection:
         return pickle.loads(_read_exact(self.sock, n))  # noqa: S301 - the peer proved it holds the job's secret
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # already closed by the peer
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
 
 
 def accept(sock: socket.socket, secret: str) -> Connection:
     """Server side of the handshake on an accepted socket; raises PermissionError for a peer without the secret."""
-    peer = "%s:%s" % sock.getpeername()[:2]
+    host, port = sock.getpeername()[:2]
+    peer = f"{host}:{port}"
     sock.settimeout(HANDSHAKE_S)
     mine = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(mine)

@@ -99,6 +99,10 @@ def _sbatch_options(inp: ScriptInputs) -> list[str]:
         "--requeue",
         "--open-mode=append",
     ]
+    if plan.elastic:
+        # Slurm revokes the whole allocation when it declares a node down (NODE_FAIL, SlurmdTimeout after the death):
+        # an elastic job keeps the nodes that live and goes on with them.
+        opts.append("--no-kill")
     if part.devices.count:
         opts.append(f"--gpus-per-node={part.devices.count}")
     for key in ("account", "partition", "qos", "constraint", "reservation"):

@@ -207,9 +207,9 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None, *, elastic
 def _launch_engine(run_dir: str | os.PathLike[str], engine_id: int) -> None:
     """An elastic engine's process (:mod:`milehpc.runtime.elastic.engine`): its failure is one line and its own exit
     status; the trainer goes on without it."""
-    from milehpc.runtime.elastic.engine import run_engine
-
     import faulthandler
+
+    from milehpc.runtime.elastic.engine import run_engine
 
     faulthandler.enable()
     try:

@@ -70,6 +70,12 @@ def wait_nodes_idle(timeout: float = 120) -> None:
     raise AssertionError(f"nodes not idle after {timeout} s: {states}")
 
 
+def node_state(i: int) -> str:
+    """Slurm's short state of node ``i`` (``idle``, ``alloc``, ``down*`` ...)."""
+    return subprocess.run(["sinfo", "-h", "-n", host(i), "-o", "%t"], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "SLURM_CONF": SLURM_CONF}).stdout.strip()
+
+
 def workdir(name: str) -> Path:
     """A fresh directory every node sees."""
     path = MN_DIR / "work" / name

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import timedelta
 import socket
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
