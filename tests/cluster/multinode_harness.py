@@ -71,9 +71,11 @@ def wait_nodes_idle(timeout: float = 120) -> None:
 
 
 def node_state(i: int) -> str:
-    """Slurm's short state of node ``i`` (``idle``, ``alloc``, ``down*`` ...)."""
-    return subprocess.run(["sinfo", "-h", "-n", host(i), "-o", "%t"], capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "SLURM_CONF": SLURM_CONF}).stdout.strip()
+    """slurmctld's state of node ``i`` (``IDLE``, ``ALLOCATED+NOT_RESPONDING``, ``DOWN+NOT_RESPONDING`` ...): DOWN is
+    when it ends the jobs on the node (NODE_FAIL); sinfo's short state says ``down*`` seconds earlier."""
+    out = subprocess.run(["scontrol", "show", "node", "-o", host(i)], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "SLURM_CONF": SLURM_CONF}).stdout
+    return next((f.split("=", 1)[1] for f in out.split() if f.startswith("State=")), "")
 
 
 def workdir(name: str) -> Path:

@@ -64,6 +64,7 @@ def run_engine(run_dir: str | os.PathLike[str], engine_id: int) -> None:
     side = RolloutSide(job, engine, engine_index=min(engine_id, 1), num_engines=2, file=str(rdir / "job.toml"))
     where = trainer_address(rdir, job.resources.startup_timeout_s)
     conn = connect(where["address"], int(where["port"]), job_token(rdir / ".milehpc", name=SECRET_FILE), timeout)
+    conn.sock.settimeout(timeout)  # the trainer's heartbeat comes every second: silence this long means it is gone
     stop = threading.Event()
     conn.send(("hello", engine_id, socket.gethostname()))
     threading.Thread(target=_heartbeat, args=(conn, stop), daemon=True).start()
@@ -73,9 +74,14 @@ def run_engine(run_dir: str | os.PathLike[str], engine_id: int) -> None:
         while True:
             try:
                 msg = conn.recv()
+            except TimeoutError:
+                raise RuntimeFailure(f"heard nothing from trainer rank 0 within {timeout:.0f} s (it is gone, or this "
+                                     f"node is cut off)") from None
             except (OSError, ConnectionError) as err:
-                raise RuntimeFailure(f"engine {engine_id}: lost trainer rank 0 ({err})") from None
+                raise RuntimeFailure(f"lost trainer rank 0 ({err})") from None
             kind = msg[0]
+            if kind == "hb":
+                continue
             if kind == "stop":
                 return
             if kind == "group":

@@ -5,7 +5,7 @@ engine lost when its connection drops or nothing (not even a heartbeat) came fro
 Messages, engine -> trainer: ``("hello", engine, host)`` first, ``("hb",)`` every :data:`~milehpc.runtime.elastic
 .HEARTBEAT_S`, ``("result", step, index, groups, stats)`` per prompt; trainer -> engine: ``("group", prefix)``
 (join the weight-sync group), ``("weights", version, meta)`` (a broadcast follows on that group), ``("work", step,
-[index, ...])``, ``("stop",)``.
+[index, ...])``, ``("hb",)`` every second (an engine that hears nothing for the timeout ends), ``("stop",)``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from milehpc.comm.channel import Connection, accept
+from milehpc.runtime.elastic import HEARTBEAT_S
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Hub:
         self._lock = threading.Lock()
         self._closing = False
         threading.Thread(target=self._accept_loop, name="milehpc-elastic-accept", daemon=True).start()
+        threading.Thread(target=self._beat_loop, name="milehpc-elastic-heartbeat", daemon=True).start()
 
     # ---- threads ----------------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -64,6 +66,13 @@ class Hub:
             except OSError:
                 return
             threading.Thread(target=self._greet, args=(sock,), daemon=True).start()
+
+    def _beat_loop(self) -> None:
+        """The trainer's heartbeat to every engine: an engine cut off from it ends by its own timeout."""
+        while not self._closing:
+            for link in self.live():
+                self.send(link, ("hb",))
+            time.sleep(HEARTBEAT_S)
 
     def _greet(self, sock: socket.socket) -> None:
         try:
