@@ -28,7 +28,7 @@ import multinode_harness as mn  # noqa: E402
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow(minutes=2)]
 
-STEPS = 16
+STEPS = 48  # enough that, slowed, the job outlives Slurm setting the dead node DOWN (60-95 s after the kill)
 
 
 @pytest.fixture(scope="module")
