@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 from milehpc.errors import RuntimeFailure
 from milehpc.runtime.elastic import ADDRESS_FILE, LOST_FILE, SECRET_FILE
 from milehpc.runtime.elastic import weights as ew
-from milehpc.runtime.loop import schedule
-from milehpc.runtime.loop.protocol import TAG_NOTICE, TAG_SHARE
+from milehpc.runtime.loop.protocol import TAG_NOTICE
 from milehpc.runtime.loop.rollout_metrics import merge_rollout_stats, rollout_metrics
 from milehpc.runtime.loop.separate_trainer import SeparateTrainer
 
@@ -142,24 +141,11 @@ class ElasticTrainer(SeparateTrainer):
         # a message outside a step (a late result of a dropped engine) has no owner: nothing to do
 
     # ---- one step's prompts ---------------------------------------------------------------------------------
-    def deal(self, step: int) -> tuple[list[Group], list[Group], bool, dict[str, float]]:
-        job, plan, side = self.job, self.plan, self.side
-        t0 = time.perf_counter()
+    def collect(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """Rank 0: step ``step``'s groups from the engines that live, and the rollout metrics (with how many
+        engines served the step)."""
         groups, stats = self.gather_step(step)
-        metrics = rollout_metrics(stats)
-        metrics.update(self.step_counts)
-        metrics["time/wait_batch"] = time.perf_counter() - t0
-        groups, st = side.filter_stale(groups)
-        metrics.update(st)
-        last = step == job.run.steps - 1 or side.target_reached(metrics)
-        shares = schedule.deal_groups(groups, plan.dp)
-        if plan.dp > 1 and not all(shares):
-            metrics["train/skipped_groups"] = float(len(groups))
-            shares = [[] for _ in shares]
-        for r in self.trainers[1:]:
-            _, rdp, _ = plan.trainer_coords(r)
-            self.box.send((step, shares[rdp], last), r, TAG_SHARE, f"step {step} share to rank {r}")
-        return groups, shares[self.dp], last, metrics
+        return groups, {**rollout_metrics(stats), **self.step_counts}
 
     def gather_step(self, step: int) -> tuple[list[Group], dict[str, float]]:
         """Hand step ``step``'s prompts out to the live engines and collect one group per prompt, giving a lost

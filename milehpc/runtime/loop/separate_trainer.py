@@ -140,15 +140,8 @@ class SeparateTrainer:
         (all groups, rank 0's share, whether this is the last step, the rollout metrics)."""
         job, plan, side = self.job, self.plan, self.side
         t0 = time.perf_counter()
-        parts, groups = [], []
-        for src in self.leaders:
-            g, stats = self.receive_batch(step, src)
-            groups += g
-            parts.append(stats)
-        t_wait = time.perf_counter() - t0
-        stats = merge_rollout_stats(parts)
-        metrics = rollout_metrics(stats)
-        metrics["time/wait_batch"] = t_wait
+        groups, metrics = self.collect(step)
+        metrics["time/wait_batch"] = time.perf_counter() - t0
         groups, st = side.filter_stale(groups)
         metrics.update(st)
         last = step == job.run.steps - 1 or side.target_reached(metrics)
@@ -161,6 +154,15 @@ class SeparateTrainer:
             _, rdp, _ = plan.trainer_coords(r)
             self.box.send((step, shares[rdp], last), r, TAG_SHARE, f"step {step} share to rank {r}")
         return groups, shares[self.dp], last, metrics
+
+    def collect(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """Rank 0: step ``step``'s groups from every engine leader, and the rollout metrics."""
+        parts, groups = [], []
+        for src in self.leaders:
+            g, stats = self.receive_batch(step, src)
+            groups += g
+            parts.append(stats)
+        return groups, rollout_metrics(merge_rollout_stats(parts))
 
     def collect_eval(self, step: int) -> dict[str, float]:
         """Rank 0: every engine leader's share of step ``step``'s evaluation, as ``eval/*`` metrics."""
