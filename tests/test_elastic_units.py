@@ -161,7 +161,7 @@ node=$(printf '%s\\n' "$@" | sed -n 's/^--nodelist=//p')
 role=$(printf '%s\\n' "$@" | grep -A1 -x -- --elastic | tail -n 1)
 echo "$node $role $*" >> {calls}
 if [ "$role" = trainer ]; then
-    sleep 0.5; echo mn2 >> "$MILEHPC_RUN_DIR/.milehpc/elastic-lost"; sleep 2.5; exit 0
+    sleep 0.3; echo mn2 >> "$MILEHPC_RUN_DIR/.milehpc/elastic-lost"; sleep 1.2; exit 0
 fi
 exec sleep 30
 """)
