@@ -39,6 +39,10 @@ class ElasticTrainer(SeparateTrainer):
         self.store: Any = None
         self.joins = 0
         self.run_dir = ctx.run_dir
+        # Rank 0 may take a timeout per engine lost in a step (its silence), one more waiting for an engine to join
+        # and one for a stuck step, on top of the generation: the other trainer ranks wait for their share that long.
+        engines = ctx.job.rollout.engines + ctx.job.resources.spare_nodes * ctx.plan.ranks_per_node
+        self.share_timeout = self.comms.timeout * (engines + 3)
         self.pending_joins: list[Link] = []  # connected during a step: admitted at its end
         self.step_counts: dict[str, float] = {}  # rollout/engines & co. of the step just gathered
         if self.leader:

@@ -46,6 +46,7 @@ class SeparateTrainer:
     """One trainer rank of a separate-groups job (see the module docstring)."""
 
     push_at_start = False  # send the weights before the first step even when the engines start with them
+    share_timeout: float | None = None  # how long the other trainer ranks wait for their share (None: the comms')
 
     def __init__(self, ctx: RunContext, trainer: Trainer, checkpointing: LoopCheckpoint, *, progress: bool) -> None:
         self.job, self.comms, self.plan = ctx.job, ctx.comms, ctx.plan
@@ -215,10 +216,10 @@ class SeparateTrainer:
         """This rank's share of step ``step`` from rank 0 (or, ``until_eval_done``, the end of step ``step``'s
         evaluation), joining the re-syncs announced before it."""
         what = f"step {step} {'evaluation' if until_eval_done else 'share'} from trainer rank 0"
-        _, mine, last = self.box.recv(0, TAG_SHARE, what)
+        _, mine, last = self.box.recv(0, TAG_SHARE, what, self.share_timeout)
         while mine == RESYNC:  # an engine restarted (see receive_batch): `last` carries the version
             self.push_weights(last, TAG_RESYNC)
-            _, mine, last = self.box.recv(0, TAG_SHARE, what)
+            _, mine, last = self.box.recv(0, TAG_SHARE, what, self.share_timeout)
         if (mine == EVAL_DONE) != until_eval_done:
             raise RuntimeFailure(f"trainer rank {self.comms.rank} expected the {what}, got {str(mine)[:80]}")
         return mine, last
