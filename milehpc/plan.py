@@ -163,6 +163,12 @@ class Plan:
         return cls(**data)
 
     def summary(self) -> dict[str, Any]:
+        if self.elastic:  # the engines join over TCP, each with a weight-sync group of its own
+            return {**self._summary(), "weight_sync_groups": "one per engine (elastic)",
+                    "elastic_rollout": f"a job step per rollout node, {self.spare_nodes} spare node(s)"}
+        return self._summary()
+
+    def _summary(self) -> dict[str, Any]:
         return {
             "world_size": self.world_size, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
             "trainer": f"ranks 0-{self.trainer_ranks - 1} (tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep})",

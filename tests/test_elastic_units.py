@@ -132,6 +132,13 @@ def test_what_elastic_rollout_cannot_do_is_one_line(tmp_path: Path, rollout: str
     assert msg.startswith(f"{job}: {field}: expected ") and "with resources.elastic_rollout = true, got" in msg, msg
 
 
+def test_elastic_rollout_on_slurm_needs_srun_steps(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="resources.elastic_rollout: expected launcher.kind = 'srun' for "
+                                          "resources.elastic_rollout .*, got 'mpirun'"):
+        prepare(str(_job(tmp_path)), "local-multinode", ('site.launcher.kind="mpirun"',),
+                run_dir=str(tmp_path / "run"))
+
+
 def test_spare_nodes_need_elastic_rollout(tmp_path: Path) -> None:
     spare = tmp_path / "spare.toml"
     spare.write_text('name = "sp"\n[resources]\nspare_nodes = 1\n')
