@@ -49,7 +49,7 @@ class ElasticTrainer(SeparateTrainer):
             self._listen(ctx)
 
     def _listen(self, ctx: RunContext) -> None:
-        from milehpc.comm.net import host_store, listen_on, resolve_address, seeded_port
+        from milehpc.comm.net import host_store, listen_seeded, resolve_address
         from milehpc.rollout.endpoint_auth import job_token
         from milehpc.runtime.elastic.hub import Hub, write_address
 
@@ -59,16 +59,7 @@ class ElasticTrainer(SeparateTrainer):
         address = resolve_address(mode)
         timeout = self.comms.timeout
         self.store, store_port = host_store(address, f"{run_id}/elastic-weights", 1, timeout)
-        fd, port = -1, 0
-        for attempt in range(64):
-            port = seeded_port(f"{run_id}/elastic-channel", attempt)
-            try:
-                fd = listen_on(address, port)
-                break
-            except OSError:
-                continue
-        if fd < 0:
-            raise RuntimeFailure(f"no free port for the elastic channel on {address}")
+        fd, port = listen_seeded(address, f"{run_id}/elastic-channel", what="the elastic channel")
         secret = job_token(ctx.run_dir / ".milehpc", name=SECRET_FILE)
         self.hub = Hub(fd, secret, timeout)
         write_address(ctx.run_dir, {"job_id": os.environ.get("SLURM_JOB_ID", ""),
