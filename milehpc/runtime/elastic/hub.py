@@ -121,7 +121,8 @@ class Hub:
         link.conn.close()
 
     def live(self) -> list[Link]:
-        return sorted((lk for lk in self.links.values() if lk.alive), key=lambda lk: lk.engine)
+        # list() copies the dict in one step: the heartbeat thread calls this while the trainer's thread changes it
+        return sorted((lk for lk in list(self.links.values()) if lk.alive), key=lambda lk: lk.engine)
 
     def send(self, link: Link, msg: Any) -> bool:
         """False when the engine cannot be written to (it is gone; the reader reports it)."""
