@@ -12,11 +12,16 @@ exists the node goes, and the benchmark measures:
 
 Scenarios: rollout node killed (2-node job), trainer node killed (3-node job, the second trainer rank's node: the first
 holds the batch shell, whose own death Slurm handles after SlurmdTimeout), rollout node cut off the network.
-The elastic mode (the trainer going on with fewer engines) is not built: throughput before/after a shrink is null
-(one MPI world cannot outlive a node here, README "A node that dies": it needs a step per rollout node).
+
+``elastic``: the same job with ``resources.elastic_rollout`` (trainer on one node, an engine on each of two, one spare
+node; the reward sleeps a fixed time per prompt, so a step's time follows the engines that serve it); engine 0's node
+is killed after a few steps. Measured: reaction_s (the kill to the trainer's line naming the lost engine: it goes
+on), spare_join_s (the kill to the spare node's engine joining), steps lost (none: every step's metrics, in order)
+and the throughput (samples per second of step time) before the shrink, while shrunk (one engine) and after the
+spare's engine joined.
 Last line: one JSON object.
 
-    .venv/bin/python bench/multinode.py [--scenarios rollout-kill,trainer-kill,partition]
+    .venv/bin/python bench/multinode.py [--scenarios rollout-kill,trainer-kill,partition,elastic]
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "cluster")]
 import multinode_harness as mn  # noqa: E402
 from ckpt_helpers import job_toml  # noqa: E402
 
-SCENARIOS = {  # name -> (trainer dp, rank whose node goes, action)
+SCENARIOS = {  # name -> (trainer dp, rank whose node goes, action); "elastic": run_elastic
     "rollout-kill": (1, 1, "kill"),
     "trainer-kill": (2, 1, "kill"),
     "partition": (1, 1, "cut"),
@@ -97,23 +102,91 @@ def run(name: str, cli: mn.Cli) -> dict:
             "requeued_without": info.get("ExcNodeList"), "restarts": int(info.get("Restarts", "0"))}
 
 
+ELASTIC_STEPS, ELASTIC_DELAY = 24, 0.5
+
+
+def run_elastic(cli: mn.Cli) -> dict:
+    import re
+
+    base = mn.workdir("bench-elastic")
+    job = base / "job.toml"
+    job.write_text(job_toml(ELASTIC_STEPS, env={"MILEHPC_TEST_REWARD_DELAY": str(ELASTIC_DELAY)}, add={
+        "rollout": "engines = 2\npartial_rollout = false",
+        "resources": 'collective_timeout_s = 10\ntime = "00:10:00"\nelastic_rollout = true\nspare_nodes = 1'}))
+    run_dir = base / "run"
+    job_id = cli.submit(job, run_dir)
+    log_path = run_dir / "logs" / f"slurm-{job_id}.out"
+
+    def log() -> str:
+        return log_path.read_text(errors="replace") if log_path.exists() else ""
+
+    deadline = time.monotonic() + 240
+    while _steps_done(run_dir) < 5:
+        if time.monotonic() > deadline:
+            raise SystemExit("elastic: fewer than 5 steps in 240 s")
+        time.sleep(0.2)
+    node = int(re.search(r"engine 0 \(on (\w+)\) joined", log()).group(1)[len(mn.PREFIX):])
+    done = _steps_done(run_dir)
+    killed_at = time.monotonic()
+    mn.node("kill", node)
+    reaction = joined = None
+    try:
+        while time.monotonic() - killed_at < 300:
+            text = log()
+            if reaction is None and "elastic rollout: lost engine 0" in text:
+                reaction = time.monotonic() - killed_at
+            if joined is None and re.search(r"engine 2 \(on \w+\) joined", text):
+                joined = time.monotonic() - killed_at
+            if _steps_done(run_dir) == ELASTIC_STEPS:
+                break
+            time.sleep(0.2)
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        cli.cleanup()
+        mn.node("revive", node)
+    mn.wait_nodes_idle()
+    engines = [int(r["rollout/engines"]) for r in records]
+    shrunk = engines.index(1) if 1 in engines else len(engines)
+    back = next((i for i in range(shrunk, len(engines)) if engines[i] == 2), len(engines))
+
+    def rate(lo: int, hi: int) -> float | None:
+        rows = records[lo:hi]
+        secs = sum(r["time/step"] for r in rows)
+        return round(sum(r["rollout/samples"] for r in rows) / secs, 2) if rows and secs else None
+
+    before, during, after = rate(1, shrunk - 1), rate(shrunk, back), rate(back, len(records))
+    return {"scenario": "elastic", "node": mn.host(node), "reaction_s": None if reaction is None else round(reaction, 1),
+            "spare_join_s": None if joined is None else round(joined, 1), "steps_done_at_death": done,
+            "steps_lost": ELASTIC_STEPS - len(records) + sum(1 for a, b in zip(records, records[1:], strict=False)
+                                                             if b["step"] != a["step"] + 1),
+            "engines_per_step": engines, "samples_per_s_before": before, "samples_per_s_shrunk": during,
+            "samples_per_s_after_spare": after,
+            "shrunk_over_before": round(during / before, 3) if before and during else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--scenarios", default=",".join([*SCENARIOS, "elastic"]))
     args = parser.parse_args()
     mn.ensure_cluster()
     os.environ["SLURM_CONF"] = mn.SLURM_CONF
     cli = mn.Cli(mn.workdir("bench-cli"))
     results = []
+    elastic = None
     for name in args.scenarios.split(","):
+        if name == "elastic":
+            elastic = run_elastic(cli)
+            print(f"elastic       node {elastic['node']}: the trainer went on {elastic['reaction_s']} s after the "
+                  f"kill, the spare's engine joined after {elastic['spare_join_s']} s, steps lost "
+                  f"{elastic['steps_lost']}; samples/s {elastic['samples_per_s_before']} (2 engines) -> "
+                  f"{elastic['samples_per_s_shrunk']} (1) -> {elastic['samples_per_s_after_spare']} (spare)", flush=True)
+            continue
         res = run(name, cli)
         print(f"{name:13s} node {res['node']}: reaction {res['reaction_s']:5.1f} s -> {res['state_after']}, "
               f"rank error {res['rank_error_s']} s, steps lost {res['steps_lost']} (done {res['steps_done_at_death']}, checkpoint "
               f"{res['last_checkpoint_step']}), named {res['named']}, excluded {res['requeued_without']}", flush=True)
         results.append(res)
-    print(json.dumps({"scenarios": results, "elastic_shrink": None,
-                      "note": "elastic rollout not implemented (the launcher ends the one MPI world at a node's "
-                              "death; it needs a step per rollout node): no throughput before/after a shrink"}))
+    print(json.dumps({"scenarios": results, "elastic_shrink": elastic}))
 
 
 if __name__ == "__main__":

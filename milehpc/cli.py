@@ -433,7 +433,10 @@ def main() -> None:
 @cli.command(context_settings=CONTEXT)
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--entry", metavar="MODULE:FUNCTION", help="call this with the RunContext instead of the RL loop")
-def launch(run_dir: str, entry: str | None) -> None:
+@click.option("--elastic", type=click.Choice(["trainer", "engine"]), default=None,
+              help="elastic rollout: the trainer ranks' step, or a rollout node's engines (the job script says which)")
+@click.option("--engine-base", type=int, default=0, help="elastic engines: the first engine id of this step")
+def launch(run_dir: str, entry: str | None, elastic: str | None, engine_base: int) -> None:
     """Run one rank of a job (every rank runs this under srun or mpirun; `submit` writes the call).
 
     \b
@@ -442,7 +445,7 @@ def launch(run_dir: str, entry: str | None) -> None:
     """
     from milehpc.runtime.launch import launch as run_rank
 
-    run_rank(run_dir, entry)
+    run_rank(run_dir, entry, elastic=elastic, engine_base=engine_base)
 
 
 # ---- the job lifecycle (issue 3): status, logs, cancel, jobs, doctor ------------------------------------------

@@ -11,7 +11,7 @@ only the layout's parameters, so a 10,000-node plan is as small as a 1-node one;
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from milehpc.config.job import JobSpec
@@ -67,6 +67,11 @@ class Plan:
     reward_engines: int = 0
     reward_gpus_per_engine: int = 1
     reward_colocated: bool = False
+    # resources.elastic_rollout: the trainer ranks are one MPI world (one srun step) and each rollout node's engines a
+    # step of their own, joining trainer rank 0 over TCP (milehpc.runtime.elastic); spare_nodes are allocated beyond
+    # the layout for engines started again after a rollout step failed.
+    elastic: bool = False
+    spare_nodes: int = 0
 
     # ---- per-rank facts -------------------------------------------------
     def role(self, rank: int) -> str:
@@ -164,13 +169,26 @@ class Plan:
     def weight_sync_groups(self) -> list[dict[str, Any]]:
         """One group per pipeline stage (as slime does): that stage's leader (tp=0, dp=0) and every rollout rank.
         Colocated runs update in place and have none."""
-        if self.colocated:
+        if self.colocated or not self.rollout_ranks:
             return []
         return [
             {"stage": pp, "source": self.trainer_rank(0, 0, pp), "ranks": [self.trainer_rank(0, 0, pp),
                                                                          *self.rollout_group()]}
             for pp in range(self.pp)
         ]
+
+    # ---- elastic rollout ---------------------------------------------------
+    def trainer_only(self) -> Plan:
+        """The trainer step's own world (elastic rollout): the trainer ranks alone, no rollout rank in it."""
+        return replace(self, world_size=self.trainer_ranks, rollout_first=self.trainer_ranks, rollout_ranks=0,
+                       engines=0, nodes=math.ceil(self.trainer_ranks / self.ranks_per_node), spare_nodes=0)
+
+    def rollout_steps(self) -> list[tuple[int, int, int]]:
+        """Elastic rollout: one ``(node, first engine, engines)`` per rollout node (node = index in the allocation)."""
+        out = []
+        for e in range(0, self.engines, self.ranks_per_node):
+            out.append((self.node_of(self.rollout_first + e), e, min(self.ranks_per_node, self.engines - e)))
+        return out
 
     # ---- (de)serialisation ---------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -181,6 +199,12 @@ class Plan:
         return cls(**data)
 
     def summary(self) -> dict[str, Any]:
+        if self.elastic:  # the engines join over TCP, each with a weight-sync group of its own
+            return {**self._summary(), "weight_sync_groups": "one per engine (elastic)",
+                    "elastic_rollout": f"a job step per rollout node, {self.spare_nodes} spare node(s)"}
+        return self._summary()
+
+    def _summary(self) -> dict[str, Any]:
         return {
             "world_size": self.world_size, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
             "trainer": f"ranks 0-{self.trainer_ranks - 1} (tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep})",
@@ -240,6 +264,11 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
         _check_engine_start(world, rm.gpus_per_engine, per_node, "reward_model", f"the {world} trainer and rollout",
                             "make the trainer and rollout ranks together a multiple of", file)
         world += reward_ranks
+    elastic = job.resources.elastic_rollout and not job.resources.colocate
+    if elastic and partition.scheduler == "slurm" and trainer_ranks % per_node:
+        raise ConfigError(f"expected the trainer's ranks to fill whole nodes of {per_node} with "
+                          f"resources.elastic_rollout (a rollout node is a job step of its own), got {trainer_ranks}",
+                          file=file, field="trainer.dp")
     nodes = math.ceil(world / per_node)
     if job.resources.nodes is not None:
         if job.resources.nodes < nodes:
@@ -256,6 +285,10 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
     if nodes > partition.max_nodes:
         raise ConfigError(f"the layout needs {nodes} node(s); partition '{partition_name}' allows {partition.max_nodes}",
                           file=file, field="resources.nodes")
+    spare = job.resources.spare_nodes if elastic else 0
+    if nodes + spare > partition.max_nodes:
+        raise ConfigError(f"the layout's {nodes} node(s) and {spare} spare(s) exceed the {partition.max_nodes} of "
+                          f"partition '{partition_name}'", file=file, field="resources.spare_nodes")
     backend = "nccl" if partition.devices.vendor in ("nvidia", "amd") else "gloo"
     return Plan(
         job_name=job.name, site=site, partition=partition_name, nodes=nodes, ranks_per_node=per_node,
@@ -266,6 +299,7 @@ def make_plan(job: JobSpec, partition: Partition, *, site: str, partition_name: 
         reward_first=reward_first, reward_ranks=reward_ranks, reward_engines=rm.engines if reward_ranks else 0,
         reward_gpus_per_engine=rm.gpus_per_engine if reward_ranks else 1,
         reward_colocated=rm.enabled and rm.colocate == "rollout",
+        elastic=elastic, spare_nodes=job.resources.spare_nodes if elastic else 0,
     )
 
 

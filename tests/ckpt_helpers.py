@@ -39,7 +39,7 @@ def job_toml(steps: int, *, extra: str = "", env: dict[str, str] | None = None, 
              add: dict[str, str] | None = None) -> str:
     """1 trainer + 1 rollout rank, sync loop, partial rollouts, KL, cosine LR: every piece of state matters.
     ``add`` = {table: lines} sets keys of a table (replacing the ones it already has)."""
-    env_lines = "\n".join(f'{k} = "{v}"' for k, v in {"PYTHONPATH": str(HERE), **(env or {})}.items())
+    env_lines = "\n".join(f'{k} = "{v}"' for k, v in {"PYTHONPATH": f"{HERE}:{REPO}", **(env or {})}.items())
     text = _JOB.format(steps=steps, time_limit=time_limit, extra=extra, env_lines=env_lines)
     for table, lines in (add or {}).items():
         head, sep, rest = text.partition(f"[{table}]\n")

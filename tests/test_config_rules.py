@@ -61,6 +61,9 @@ CASES: dict[str, tuple[dict, dict, str]] = {
     "partial_rollouts_need_the_builtin_generation": (
         {"rollout": {"generator": "toy_retry", "partial_rollout": True}},
         {"rollout": {"generator": "toy_retry", "partial_rollout": False}}, "rollout.partial_rollout"),
+    "elastic_rollout_fits_the_loop": (
+        {"resources": {"elastic_rollout": True}, "rollout": {"partial_rollout": True}},
+        {"resources": {"elastic_rollout": True}}, "rollout.partial_rollout"),
     "model_family_is_supported": (
         {"model": {"path": str(UNSUPPORTED_FAMILY)}},
         {"model": {"path": str(CORPUS / "models" / "qwen3")}}, "model.path"),

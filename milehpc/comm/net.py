@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +34,18 @@ def host_store(address: str, key: str, world_size: int, timeout: float) -> tuple
     """Start a TCPStore server on the first free port from the seeded one (binding is the check)."""
     from torch.distributed import TCPStore
 
+    def start(fd: int, port: int) -> Any:
+        return TCPStore(address, port, world_size, True, timedelta(seconds=timeout), wait_for_workers=False,
+                        master_listen_fd=fd)
+
+    return listen_seeded(address, key, start, what="the TCPStore")
+
+
+def listen_seeded(address: str, key: str, start: Callable[[int, int], Any] | None = None, *, what: str,
+                  ) -> tuple[Any, int]:
+    """Listen on ``address`` at the first free port from the one seeded by ``key`` (binding is the check);
+    ``start(fd, port)`` makes the server of the socket (a RuntimeError: try the next port). Returns (the server, or
+    the listening descriptor without ``start``, port)."""
     last: Exception | None = None
     for attempt in range(PORT_TRIES):
         port = seeded_port(key, attempt)
@@ -42,14 +54,14 @@ def host_store(address: str, key: str, world_size: int, timeout: float) -> tuple
         except OSError as err:  # address in use
             last = err
             continue
+        if start is None:
+            return fd, port
         try:
-            store = TCPStore(address, port, world_size, True, timedelta(seconds=timeout), wait_for_workers=False,
-                             master_listen_fd=fd)
-            return store, port
+            return start(fd, port), port
         except RuntimeError as err:  # DistNetworkError
             os.close(fd)
             last = err
-    raise RuntimeFailure(f"no free port for the TCPStore on {address} after {PORT_TRIES} tries from "
+    raise RuntimeFailure(f"no free port for {what} on {address} after {PORT_TRIES} tries from "
                          f"{seeded_port(key)}: {last}")
 
 

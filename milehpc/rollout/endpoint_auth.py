@@ -17,10 +17,10 @@ from pathlib import Path
 TOKEN_FILE = "endpoint.token"
 
 
-def job_token(directory: str | os.PathLike[str], *, wait_s: float = 10.0) -> str:
-    """The job's token in ``directory`` (created with mode 0600 if absent). A token file readable by others is
-    refused: it would no longer be a secret."""
-    path = Path(directory) / TOKEN_FILE
+def job_token(directory: str | os.PathLike[str], *, wait_s: float = 10.0, name: str = TOKEN_FILE) -> str:
+    """The job's token in ``directory``/``name`` (created with mode 0600 if absent). A token file readable by others
+    is refused: it would no longer be a secret."""
+    path = Path(directory) / name
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -34,14 +34,14 @@ def job_token(directory: str | os.PathLike[str], *, wait_s: float = 10.0) -> str
 def _read(path: Path, wait_s: float) -> str:
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
-        raise PermissionError(f"{path}: expected mode 0600 for the endpoint token, got {mode:04o}")
+        raise PermissionError(f"{path}: expected mode 0600 for the job's token, got {mode:04o}")
     deadline = time.monotonic() + wait_s
     while True:  # another rank created it and may still be writing
         text = path.read_text()
         if text.endswith("\n"):
             return text.strip()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{path}: the endpoint token was not written within {wait_s:.0f} s")
+            raise TimeoutError(f"{path}: the job's token was not written within {wait_s:.0f} s")
         time.sleep(0.05)
 
 

@@ -118,8 +118,14 @@ def _check_interfaces(world: Any, run_dir: str | os.PathLike[str], timeout: floa
     _end(2, str(error) if speak and error is not None else None, rank)
 
 
-def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
-    """Run this rank of the job in ``run_dir``; returns only on success (see the module docstring)."""
+def launch(run_dir: str | os.PathLike[str], entry: str | None = None, *, elastic: str | None = None,
+           engine_base: int = 0) -> None:
+    """Run this rank of the job in ``run_dir``; returns only on success (see the module docstring).
+    ``elastic``: ``"trainer"``, the trainer ranks' step of an elastic-rollout job (their own world); ``"engine"``,
+    one engine of a rollout node's step (engine ``engine_base`` + its task's local id; no MPI)."""
+    if elastic == "engine":
+        _launch_engine(run_dir, engine_base + int(os.environ.get("SLURM_LOCALID", "0") or 0))
+        return
     import faulthandler
 
     from milehpc.hygiene import install_log_masking
@@ -134,6 +140,8 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
     install_rank_handlers(run_dir)  # scancel's TERM: checkpoint at the next step boundary, do not die (signals 8)
     try:
         job, plan, partition = load_run_dir(run_dir)
+        if elastic == "trainer":
+            plan = plan.trainer_only()
         from milehpc.config.requirements import check_requirements
 
         check_requirements(job)  # here, not at submit: the login node lacks the container's GPU packages
@@ -194,6 +202,27 @@ def launch(run_dir: str | os.PathLike[str], entry: str | None = None) -> None:
     except (Exception, KeyboardInterrupt) as err:  # a bug or an interrupt: show where, and end the others too
         traceback.print_exc()
         _fail(comms, rank, f"{type(err).__name__}: {err}", 1)
+
+
+def _launch_engine(run_dir: str | os.PathLike[str], engine_id: int) -> None:
+    """An elastic engine's process (:mod:`milehpc.runtime.elastic.engine`): its failure is one line and its own exit
+    status; the trainer goes on without it."""
+    import faulthandler
+
+    from milehpc.runtime.elastic.engine import run_engine
+
+    faulthandler.enable()
+    try:
+        run_engine(run_dir, engine_id)
+    except MilehpcError as err:
+        print(f"milehpc: error: engine {engine_id}: {err}", file=sys.stderr, flush=True)
+        os._exit(err.exit_code)
+    except (Exception, KeyboardInterrupt) as err:
+        traceback.print_exc()
+        print(f"milehpc: error: engine {engine_id}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _end_past_the_saver() -> None:
@@ -263,8 +292,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="milehpc launch")
     parser.add_argument("run_dir")
     parser.add_argument("--entry", default=None, help="module:function called with the RunContext")
+    parser.add_argument("--elastic", choices=("trainer", "engine"), default=None)
+    parser.add_argument("--engine-base", type=int, default=0)
     args = parser.parse_args(argv)
-    launch(args.run_dir, args.entry)
+    launch(args.run_dir, args.entry, elastic=args.elastic, engine_base=args.engine_base)
 
 
 if __name__ == "__main__":

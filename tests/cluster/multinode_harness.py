@@ -70,6 +70,12 @@ def wait_nodes_idle(timeout: float = 120) -> None:
     raise AssertionError(f"nodes not idle after {timeout} s: {states}")
 
 
+def set_down(i: int) -> None:
+    """Mark node ``i`` DOWN now, as slurmctld does itself ``SlurmdTimeout`` after it stopped answering."""
+    subprocess.run(["scontrol", "update", f"NodeName={host(i)}", "State=DOWN", "Reason=milehpc-test-node-died"],
+                   check=True, capture_output=True, timeout=30, env={**os.environ, "SLURM_CONF": SLURM_CONF})
+
+
 def workdir(name: str) -> Path:
     """A fresh directory every node sees."""
     path = MN_DIR / "work" / name

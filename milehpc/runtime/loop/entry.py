@@ -68,6 +68,10 @@ def run(ctx: RunContext, *, progress: bool = True, checkpointing: LoopCheckpoint
 
         assert engine is not None and trainer is not None
         return run_colocated(ctx, engine, trainer, colo=colo, checkpointing=ckpt, progress=progress)
+    if trainer is not None and plan.elastic:
+        from milehpc.runtime.elastic.trainer import ElasticTrainer
+
+        return ElasticTrainer(ctx, trainer, ckpt, progress=progress).run()
     if trainer is not None:
         from milehpc.runtime.loop.separate_trainer import SeparateTrainer
 

@@ -158,6 +158,25 @@ class RolloutSide:
         self.state.data = {"cursor": self._cursor}  # (multi-LoRA: the cursor alone positions every adapter's stream)
         return groups, stats
 
+    def generate_one(self, prompt: Any, seed: int) -> tuple[Group, dict[str, float]]:
+        """One prompt's group, sampled from ``seed`` alone (elastic rollout: whichever engine generates it), scored;
+        and its raw counters for the metrics."""
+        stats = new_stats()
+        base = self.sampling
+        self.sampling = replace(base, seed=seed)
+        t0 = time.perf_counter()
+        try:
+            [group] = self._generate([prompt], stats)
+        finally:
+            self.sampling = base
+        stats["time_gen"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self._score([s for s in group if s.reward is None])
+        stats["time_reward"] += time.perf_counter() - t0
+        self._count(group, stats)
+        stats["groups"] = 1
+        return group, stats
+
     def _count(self, group: Group, stats: dict[str, float]) -> None:
         if self.multi:
             from milehpc.runtime.loop.adapter_streams import count_by_adapter

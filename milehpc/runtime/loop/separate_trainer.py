@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 class SeparateTrainer:
     """One trainer rank of a separate-groups job (see the module docstring)."""
 
+    push_at_start = False  # send the weights before the first step even when the engines start with them
+    share_timeout: float | None = None  # how long the other trainer ranks wait for their share (None: the comms')
+
     def __init__(self, ctx: RunContext, trainer: Trainer, checkpointing: LoopCheckpoint, *, progress: bool) -> None:
         self.job, self.comms, self.plan = ctx.job, ctx.comms, ctx.plan
         _, self.dp, _ = self.plan.trainer_coords(self.comms.rank)
@@ -67,7 +70,7 @@ class SeparateTrainer:
         try:
             resumed = self.ckpt.restore(trainer=side)
             side.warmup()
-            if job.trainer.sft_warmup_steps > 0 or resumed or self.direct:  # resumed: the engines were rebuilt
+            if job.trainer.sft_warmup_steps > 0 or resumed or self.direct or self.push_at_start:  # resumed: the engines were rebuilt
                 self.push_weights(self.trainer.version)
             for step in range(side.state.step, job.run.steps):
                 t0 = time.perf_counter()
@@ -138,15 +141,8 @@ class SeparateTrainer:
         (all groups, rank 0's share, whether this is the last step, the rollout metrics)."""
         job, plan, side = self.job, self.plan, self.side
         t0 = time.perf_counter()
-        parts, groups = [], []
-        for src in self.leaders:
-            g, stats = self.receive_batch(step, src)
-            groups += g
-            parts.append(stats)
-        t_wait = time.perf_counter() - t0
-        stats = merge_rollout_stats(parts)
-        metrics = rollout_metrics(stats)
-        metrics["time/wait_batch"] = t_wait
+        groups, metrics = self.collect(step)
+        metrics["time/wait_batch"] = time.perf_counter() - t0
         groups, st = side.filter_stale(groups)
         metrics.update(st)
         last = step == job.run.steps - 1 or side.target_reached(metrics)
@@ -159,6 +155,15 @@ class SeparateTrainer:
             _, rdp, _ = plan.trainer_coords(r)
             self.box.send((step, shares[rdp], last), r, TAG_SHARE, f"step {step} share to rank {r}")
         return groups, shares[self.dp], last, metrics
+
+    def collect(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """Rank 0: step ``step``'s groups from every engine leader, and the rollout metrics."""
+        parts, groups = [], []
+        for src in self.leaders:
+            g, stats = self.receive_batch(step, src)
+            groups += g
+            parts.append(stats)
+        return groups, rollout_metrics(merge_rollout_stats(parts))
 
     def collect_eval(self, step: int) -> dict[str, float]:
         """Rank 0: every engine leader's share of step ``step``'s evaluation, as ``eval/*`` metrics."""
@@ -211,10 +216,10 @@ class SeparateTrainer:
         """This rank's share of step ``step`` from rank 0 (or, ``until_eval_done``, the end of step ``step``'s
         evaluation), joining the re-syncs announced before it."""
         what = f"step {step} {'evaluation' if until_eval_done else 'share'} from trainer rank 0"
-        _, mine, last = self.box.recv(0, TAG_SHARE, what)
+        _, mine, last = self.box.recv(0, TAG_SHARE, what, self.share_timeout)
         while mine == RESYNC:  # an engine restarted (see receive_batch): `last` carries the version
             self.push_weights(last, TAG_RESYNC)
-            _, mine, last = self.box.recv(0, TAG_SHARE, what)
+            _, mine, last = self.box.recv(0, TAG_SHARE, what, self.share_timeout)
         if (mine == EVAL_DONE) != until_eval_done:
             raise RuntimeFailure(f"trainer rank {self.comms.rank} expected the {what}, got {str(mine)[:80]}")
         return mine, last
