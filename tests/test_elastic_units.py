@@ -5,6 +5,8 @@ prompt's own seed, not on the engine."""
 
 from __future__ import annotations
 
+import json
+
 import os
 import socket
 import subprocess
@@ -130,6 +132,16 @@ def test_what_elastic_rollout_cannot_do_is_one_line(tmp_path: Path, rollout: str
         prepare(str(job), "local-multinode", (), run_dir=str(tmp_path / "run"))
     msg = str(info.value)
     assert msg.startswith(f"{job}: {field}: expected ") and "with resources.elastic_rollout = true, got" in msg, msg
+
+
+def test_elastic_rollout_has_no_reward_model_group(tmp_path: Path) -> None:
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_labels": 1}))
+    job = _job(tmp_path, rest=f'[reward]\nname = "reward_model"\nparams = {{path = "{rm}"}}\n'
+                              f'[reward_model]\npath = "{rm}"\n')
+    with pytest.raises(ConfigError, match="reward_model.path: expected unset .*with resources.elastic_rollout = true"):
+        prepare(str(job), "local-multinode", (), run_dir=str(tmp_path / "run"))
 
 
 def test_elastic_rollout_on_slurm_needs_srun_steps(tmp_path: Path) -> None:

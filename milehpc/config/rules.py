@@ -122,6 +122,8 @@ def elastic_rollout_fits_the_loop(job: JobSpec, file: str | None) -> None:
         ("trainer.pp", job.trainer.pp == 1, "1 (one weight source)", str(job.trainer.pp)),
         ("run.eval_every", job.run.eval_every == 0, "0 (no in-loop evaluation)", str(job.run.eval_every)),
         ("trainer.lora", job.trainer.lora is None, "unset", "a [trainer.lora] table"),
+        ("reward_model.path", not job.reward_model.enabled,
+         "unset (the elastic engines score their own groups; no [reward_model] group)", repr(job.reward_model.path)),
     ]
     for field, ok, expected, got in checks:
         if not ok:
