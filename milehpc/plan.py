@@ -181,7 +181,8 @@ class Plan:
     def trainer_only(self) -> Plan:
         """The trainer step's own world (elastic rollout): the trainer ranks alone, no rollout rank in it."""
         return replace(self, world_size=self.trainer_ranks, rollout_first=self.trainer_ranks, rollout_ranks=0,
-                       engines=0, nodes=math.ceil(self.trainer_ranks / self.ranks_per_node), spare_nodes=0)
+                       engines=0, nodes=math.ceil(self.trainer_ranks / self.ranks_per_node), spare_nodes=0,
+                       reward_first=self.trainer_ranks, reward_ranks=0, reward_engines=0)
 
     def rollout_steps(self) -> list[tuple[int, int, int]]:
         """Elastic rollout: one ``(node, first engine, engines)`` per rollout node (node = index in the allocation)."""
