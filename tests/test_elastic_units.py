@@ -6,7 +6,6 @@ prompt's own seed, not on the engine."""
 from __future__ import annotations
 
 import json
-
 import os
 import socket
 import subprocess

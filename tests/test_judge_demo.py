@@ -42,9 +42,11 @@ def judge(tmp_path_factory) -> tuple[Path, dict[str, float]]:
 def test_judge_verdicts_on_held_out_right_answers_and_near_misses(judge) -> None:
     _, acc = judge
     print(f"judge after {STEPS} steps: {acc}")
-    # Measured over seeds 0-2 at STEPS: see the README's figures; the bars keep a margin below the worst seed.
-    assert acc["right"] >= 0.9, acc
-    assert min(acc[k] for k in ("order", "changed", "dropped", "added", "echo", "junk")) >= 0.8, acc
+    # Measured at STEPS, 128 answers per kind: seed 0 right 1.0, changed 0.83, the other kinds 0.97-1.0; seed 1 right
+    # 1.0, changed 0.95, the others 0.99-1.0. The bars sit ~3 standard errors (0.03 at 128) below the worst seed.
+    assert acc["right"] >= 0.95, acc
+    assert acc["changed"] >= 0.75, acc  # the near misses still sorted: only the prompt's digits tell them wrong
+    assert min(acc[k] for k in ("order", "dropped", "added", "echo", "junk")) >= 0.9, acc
 
 
 @pytest.mark.mpi

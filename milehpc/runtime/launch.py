@@ -18,33 +18,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from milehpc.errors import ConfigError, MilehpcError
-
-if TYPE_CHECKING:
-    from milehpc.config.job import JobSpec
-    from milehpc.plan import Plan
+from milehpc.runtime.run_files import load_run_dir
 
 DEFAULT_ENTRY = "milehpc.runtime.loop:run"
-
-
-def load_run_dir(run_dir: str | os.PathLike[str]) -> tuple[JobSpec, Plan, dict[str, Any]]:
-    """The job spec, the plan and the site partition (empty if there is no site.json) of a run directory."""
-    from milehpc.config.load import read_run_json, run_job
-    from milehpc.plan import Plan
-
-    rdir = Path(run_dir)
-    job = run_job(rdir)
-    raw = read_run_json(rdir / "plan.json")
-    try:
-        plan = Plan.from_dict(raw)
-    except TypeError as err:
-        raise ConfigError(f"not a plan written by this milehpc version ({err})", file=str(rdir / "plan.json")) from None
-    partition: dict[str, Any] = {}
-    if (rdir / "site.json").exists():
-        partition = dict(read_run_json(rdir / "site.json").get("partition") or {})
-    return job, plan, partition
 
 
 def _mpi_rank_from_env() -> int:

@@ -53,8 +53,8 @@ def run_engine(run_dir: str | os.PathLike[str], engine_id: int) -> None:
     from milehpc.rollout.endpoint_auth import job_token
     from milehpc.rollout.reference import build_engine
     from milehpc.runtime.elastic import weights as ew
-    from milehpc.runtime.launch import load_run_dir
     from milehpc.runtime.loop.rollout_side import RolloutSide
+    from milehpc.runtime.run_files import load_run_dir
 
     rdir = Path(run_dir)
     job, _, _ = load_run_dir(rdir)
