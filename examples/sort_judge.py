@@ -1,9 +1,10 @@
 """Train the tiny generative judge of examples/cpu-demo-judge.toml: a GPT-2 causal LM (2 layers, 64 wide) that reads
-an answer to the digit-sorting task in the judge's template (``sort:312=123:``) and writes its verdict as one token,
-``1`` (right) or ``0`` (wrong), which the ``judge`` reward parses (``answer_pattern = "([01])"``). Saved as an HF
-folder (model + tokenizer) that the judge loads with AutoModelForCausalLM. No downloads: the data are those of
+an answer to the digit-sorting task in the judge's template (``sort:312=132:``), writes the prompt's digits sorted and
+then its verdict, ``=1`` (right) or ``=0`` (wrong), which the ``judge`` reward parses (ANSWER_PATTERN). Saved as an
+HF folder (model + tokenizer) that the judge loads with AutoModelForCausalLM. No downloads: the data are those of
 examples/sort_rm.py (its prompts, right answers and hard negatives: a wrong order, a digit changed with the answer
-still sorted, a digit dropped or added, the prompt echoed, junk), the verdict the only token trained on.
+still sorted, a digit dropped or added, the prompt echoed, junk); the loss is on the judge's answer alone. 1500 steps
+(seed 0): held-out verdicts right on 1.0 of right answers and 0.95-1.0 of each kind of wrong one (README).
 
     .venv/bin/python examples/sort_judge.py runs/sort-judge   # then: milehpc run examples/cpu-demo-judge.toml ...
 """
