@@ -64,14 +64,8 @@ def train(out: Path, *, steps: int = 1500, lr: float = 2e-3, batch: int = 64, se
           log: Any = print, held_out: int = 256) -> dict[str, float]:
     """Train the judge and save it in ``out``; returns its held-out accuracies (:func:`held_out_accuracy`) and the
     seconds taken."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 2-layer, 64-wide model: a second thread costs more in handoffs than it gives
-    try:
+    with sort_rm.one_torch_thread():
         return _train(out, steps=steps, lr=lr, batch=batch, seed=seed, hidden=hidden, log=log, held_out=held_out)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train(out: Path, *, steps: int, lr: float, batch: int, seed: int, hidden: int, log: Any,

@@ -20,9 +20,11 @@ found the RM's misses); with 0/1 targets the RM needed ~1500 steps to teach the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,12 +136,20 @@ def train(out: Path, *, steps: int = 1000, lr: float = 1e-3, batch: int = 64, se
           max_len: int = 3, log: Any = print) -> dict[str, float]:
     """Train the RM and save it in ``out``; returns its held-out accuracies (:func:`held_out_accuracy`) and the
     seconds taken."""
+    with one_torch_thread():
+        return _train(out, steps=steps, lr=lr, batch=batch, seed=seed, min_len=min_len, max_len=max_len, log=log)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread meanwhile: for a 2-layer, 64-wide model a second thread costs more in handoffs than it
+    gives (the judge example trains the same way)."""
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 2-layer, 64-wide model: a second thread costs more in handoffs than it gives
+    torch.set_num_threads(1)
     try:
-        return _train(out, steps=steps, lr=lr, batch=batch, seed=seed, min_len=min_len, max_len=max_len, log=log)
+        yield
     finally:
         torch.set_num_threads(threads)
 

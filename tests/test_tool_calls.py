@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from milehpc.rollout.tool_calls import FAMILY_PARSERS, PARSERS, parser_name
+from milehpc.config.families import FAMILY_PARSERS, TOOL_PARSERS, parser_name
+from milehpc.rollout.tool_calls import PARSERS
 
 TOOLS = ["calc", "search"]
 
@@ -72,6 +73,7 @@ def test_the_family_picks_the_parser_and_the_option_overrides_it() -> None:
     from milehpc.config.families import FAMILIES, VISION_FAMILIES
 
     assert set(FAMILY_PARSERS) == set(FAMILIES) | set(VISION_FAMILIES)  # a new family must name its format
+    assert set(PARSERS) == set(TOOL_PARSERS)  # the login check's names are the rollout's parsers
     assert [parser_name(None, t) for t in ("qwen3", "llama", "mixtral", "glm4")] == \
         ["qwen25", "llama3", "mistral", "glm45"]
     assert parser_name("none", "llama") == "none"

@@ -134,3 +134,26 @@ def folder_config(folder: str) -> dict[str, Any] | None:
     except OSError:
         return None
     return _read_config(str(path), info.st_mtime_ns, info.st_size)
+
+
+# The tool-call formats the agent generator parses (milehpc.rollout.tool_calls.PARSERS has one parser per name; a
+# test keeps them equal), and the one each family's chat template teaches.
+TOOL_PARSERS = ("glm45", "llama3", "mistral", "none", "qwen25")
+FAMILY_PARSERS: dict[str, str] = {
+    "qwen2": "qwen25", "qwen2_moe": "qwen25", "qwen3": "qwen25", "qwen3_moe": "qwen25",
+    "qwen2_5_vl": "qwen25", "qwen3_vl": "qwen25", "qwen3_vl_moe": "qwen25",
+    "llama": "llama3", "mistral": "mistral", "mixtral": "mistral", "glm4": "glm45",
+}
+
+
+def parser_name(option: str | None, model_type: str | None) -> str:
+    """The tool-call parser to use: ``option`` (``generator_params.tool_parser``) when set, else the family's;
+    ValueError (one line) when neither names one."""
+    if option:
+        if option not in TOOL_PARSERS:
+            raise ValueError(f"expected a tool-call parser among {list(TOOL_PARSERS)}, got {option!r}")
+        return option
+    if model_type in FAMILY_PARSERS:
+        return FAMILY_PARSERS[model_type]
+    raise ValueError(f"expected rollout.generator_params.tool_parser (one of {', '.join(TOOL_PARSERS)}): the "
+                     f"model family {model_type!r} has no known tool-call format")

@@ -119,8 +119,7 @@ def check_tool_parser(job: JobSpec, *, file: str | None) -> None:
     """The agent generator knows the tool-call format of the model's replies: named, or its family's."""
     if job.rollout.generator != "agent":
         return
-    from milehpc.config.families import job_model_type
-    from milehpc.rollout.tool_calls import parser_name
+    from milehpc.config.families import job_model_type, parser_name
 
     model_type = job_model_type(job)
     option = job.rollout.generator_params.get("tool_parser")

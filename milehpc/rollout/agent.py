@@ -31,13 +31,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from milehpc.config.families import parser_name
 from milehpc.errors import ConfigError
 from milehpc.plugin_types import load_ref
 from milehpc.rollout.agent_episode import Episode
 from milehpc.rollout.endpoint import Endpoint
 from milehpc.rollout.endpoint_auth import job_token
 from milehpc.rollout.engine import SamplingParams
-from milehpc.rollout.tool_calls import parser_name
 from milehpc.samples import Sample, Status
 from milehpc.samples.sample import AGENT_COUNTS
 

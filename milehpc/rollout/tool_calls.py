@@ -197,26 +197,6 @@ PARSERS: dict[str, Callable[..., ParsedTurn]] = {"qwen25": parse_qwen25, "llama3
                                                   "mistral": parse_mistral, "glm45": parse_glm45,
                                                   "none": no_tool_calls}
 
-# config.json model_type -> the parser of the format its chat template teaches (milehpc.config.families' names).
-FAMILY_PARSERS: dict[str, str] = {
-    "qwen2": "qwen25", "qwen2_moe": "qwen25", "qwen3": "qwen25", "qwen3_moe": "qwen25",
-    "qwen2_5_vl": "qwen25", "qwen3_vl": "qwen25", "qwen3_vl_moe": "qwen25",
-    "llama": "llama3", "mistral": "mistral", "mixtral": "mistral", "glm4": "glm45",
-}
-
-
-def parser_name(option: str | None, model_type: str | None) -> str:
-    """The parser to use: ``option`` (``generator_params.tool_parser``) when set, else the family's; ValueError
-    (one line) when neither names one."""
-    if option:
-        parser_for(option)
-        return option
-    if model_type in FAMILY_PARSERS:
-        return FAMILY_PARSERS[model_type]
-    raise ValueError(f"expected rollout.generator_params.tool_parser (one of {', '.join(sorted(PARSERS))}): the "
-                     f"model family {model_type!r} has no known tool-call format")
-
-
 def parser_for(name: str) -> Callable[..., ParsedTurn]:
     """The parser called ``name`` (a key of :data:`PARSERS`)."""
     try:
