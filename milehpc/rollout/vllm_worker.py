@@ -143,6 +143,9 @@ class VLLMCore:
 
     def _run(self, contexts: list[list[int]], sampling: SamplingParams) -> list[tuple[list[int], list[float], Status]]:
         """One request per context, stepped here (not ``LLM.generate``) so that an abort can cut them short."""
+        # An abort is for the generate that runs when it is sent: one that arrived after the last generate's loop
+        # (the rank's timer fired as that call ended) must not cut this one short.
+        self._aborting = False
         ids = []
         for i, ctx in enumerate(contexts):
             rid = f"r{self.counter}"
