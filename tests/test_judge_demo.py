@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tiny_model import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 1000  # the test's training budget (the example trains 1500 steps)
@@ -76,18 +77,11 @@ def test_judge_on_a_reward_rank_scores_every_sample_with_its_parsed_verdict(judg
         [reward_model]
         path = "{folder}"
         kind = "generative"
-        [model]
-        hidden_size = 32
-        num_layers = 2
-        num_heads = 4
-        num_kv_heads = 2
-        intermediate_size = 64
-        max_position_embeddings = 32
         [run]
         steps = 2
         [resources]
         collective_timeout_s = 60
-    """))
+    """) + TINY_MODEL)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MILEHPC_PROGRESS": "plain", "MILEHPC_HEARTBEAT_TIMEOUT": "60"}
     milehpc = Path(sys.executable).with_name("milehpc")
     proc = subprocess.run([str(milehpc), "run", str(job), "--site", "local", "--run-dir", str(tmp_path / "run")],

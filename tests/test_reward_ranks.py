@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tiny_model import TINY_MODEL
 
 from milehpc.cli import cli
 
@@ -66,14 +67,7 @@ def job_text(rm: Path, *, rollout: str = "", trainer: str = "", reward_model: st
         [reward_model]
         path = "{rm}"
         {reward_model}
-        [model]
-        hidden_size = 32
-        num_layers = 2
-        num_heads = 4
-        num_kv_heads = 2
-        intermediate_size = 64
-        max_position_embeddings = 32
-    """) + textwrap.dedent(extra)
+    """) + TINY_MODEL + textwrap.dedent(extra)
 
 
 def _cli(*args: str):
