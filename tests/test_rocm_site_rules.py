@@ -32,7 +32,7 @@ def _plan(job: Path, site: str, *sets: str) -> tuple[int, str]:
     # colocated, the example's 32 ranks share 16 GCDs: 2 nodes (4 would leave two idle, refused first); SGLang (the
     # engine that pauses the trainer with torch_memory_saver) with an image of its own (the site's has none)
     (("resources.colocate=true", "run.loop='sync'", "resources.nodes=2", "rollout.engine='sglang'",
-      "site.containers.apptainer.engines=['sglang']"), "resources.colocate", "expected false on an AMD partition"),
+      "rollout.options={}", "site.containers.apptainer.engines=['sglang']"), "resources.colocate", "expected false on an AMD partition"),
 ])
 def test_rocm_partition_refuses_what_its_container_cannot_run(sets: tuple[str, ...], field: str,
                                                               expected: str) -> None:
@@ -47,7 +47,7 @@ def test_rocm_partition_lets_the_reference_engine_colocate() -> None:
     """Only a colocated SGLang engine pauses the trainer with torch_memory_saver; the reference engine offloads
     nothing, so its colocated runs stay open on AMD."""
     code, out = _plan(FRONTIER, "frontier-like", "resources.colocate=true", "run.loop='sync'",
-                      "rollout.engine='reference'", "resources.nodes=2")
+                      "rollout.engine='reference'", "rollout.options={}", "resources.nodes=2")
     assert code == 0, out
 
 

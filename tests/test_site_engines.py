@@ -36,7 +36,8 @@ def _job(engine: str, *, image: str | None = "/images/rocm.sif", site: dict | No
 
 @pytest.mark.parametrize("command", [("plan", "--force"), ("submit", "--dry-run")])
 def test_plan_and_submit_refuse_an_engine_the_sites_image_lacks(command: tuple[str, ...]) -> None:
-    code, out = _cli(command[0], str(FRONTIER), "--site", "frontier-like", command[1], "--set", "rollout.engine='sglang'")
+    code, out = _cli(command[0], str(FRONTIER), "--site", "frontier-like", command[1], "--set", "rollout.engine='sglang'",
+                     "--set", "rollout.options={}")  # (the example's options are its vLLM engine's)
     assert code == 2, out
     assert out.strip().splitlines() == [f"milehpc: error: {FRONTIER} (with --set): {REFUSED}"]
 

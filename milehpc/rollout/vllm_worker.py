@@ -137,9 +137,11 @@ class VLLMCore:
     def _params(self, sampling: SamplingParams, seed: int) -> Any:
         from vllm import SamplingParams as VSP
 
+        # skip_clone: the object is this one request's (made here per request), so vLLM may take it as it is instead
+        # of deep-copying it in add_request (a fifth of add_request's time, ~7% of the CPU demo's generate)
         return VSP(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
                    max_tokens=sampling.max_new_tokens, stop_token_ids=sorted({self.eos_id, *sampling.stop_token_ids}),
-                   seed=seed, logprobs=0, detokenize=False)
+                   seed=seed, logprobs=0, detokenize=False, skip_clone=True)
 
     def _run(self, contexts: list[list[int]], sampling: SamplingParams) -> list[tuple[list[int], list[float], Status]]:
         """One request per context, stepped here (not ``LLM.generate``) so that an abort can cut them short."""
