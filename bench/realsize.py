@@ -60,8 +60,11 @@ def job_toml(pair: str, model: dict[str, Any], args: argparse.Namespace) -> str:
     lines += ["[data]", 'source = "task:reverse"', "params = { min_len = 4, max_len = 8 }",
               "[rollout]", f'engine = "{engine}"', f"prompts_per_step = {args.prompts}",
               f"n_samples = {args.samples}", f"max_new_tokens = {args.max_new_tokens}"]
+    options = [f"weight_bucket_mb = {args.bucket_mb}"] if args.bucket_mb else []
     if engine == "sglang":
-        lines.append(f"options = {{ cpu_memory_gib = {engine_gib(model):g} }}")
+        options.append(f"cpu_memory_gib = {engine_gib(model):g}")
+    if options:
+        lines.append(f"options = {{ {', '.join(options)} }}")
     lines += ["[trainer]", f'backend = "{backend}"', f"micro_batch_size = {samples}",
               f"mini_batch_size = {samples // 2}", "lr = 1e-6",
               "[run]", f"steps = {args.steps}", "dump_rollouts = false"]
@@ -327,6 +330,8 @@ def main() -> None:
     ap.add_argument("--width-div", type=int, default=1,
                     help="divide the hidden size, MLP and vocabulary by this (heads kept): the smallest configuration "
                          "(tests/test_realsize_bench.py) runs --layers 1 --width-div 4")
+    ap.add_argument("--bucket-mb", type=int, default=0,
+                    help="rollout.options.weight_bucket_mb (0: the default, 512): several buckets at a small shape")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--samples", type=int, default=4)

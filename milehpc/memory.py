@@ -429,46 +429,82 @@ def engine_fraction(job: JobSpec, partition: Partition | None = None) -> float:
 
 
 def sync_buffers(job: JobSpec) -> Item | None:
-    """What a separate rollout rank receives a weight sync into, beside its engine's weights (issue 33,
-    bench/realsize.py: 0.55 GB at Qwen2.5-0.5B's shape, its embedding): SGLang allocates each flattened bucket
-    (every TP scheduler the whole of it), milehpc's broadcast receives a bucket while the engine loads the one before
-    (two buffers, :mod:`milehpc.weights.broadcast`), each released after the sync. None when nothing crosses a wire
-    (colocated) or the adapter alone does (LoRA).
+    """What a separate rollout rank holds during a weight sync beyond its engine's weights, as each engine receives
+    it (issue 33, bench/realsize.py), in buckets of ``rollout.options.weight_bucket_mb``; released after the sync.
+    None when nothing crosses a wire (colocated) or the adapter alone does (LoRA).
+
+    * **SGLang**: each bucket of consecutive tensors (a bigger one alone) is received by every TP scheduler, whole,
+      into a fresh flattened buffer that is loaded before the next bucket comes: the largest bucket.
+    * **vLLM**: each worker receives a bucket into a fresh flat buffer and feeds it to the layerwise reload, whose
+      loaders keep views of it until their layer is complete (a layer cut by a bucket boundary keeps the earlier
+      buffer), then build that layer anew on the device before copying it into the old storage: two buckets and the
+      largest layer (vllm ``model_loader/reload/layerwise.py``).
+    * **milehpc's broadcast** (the reference engines): a tensor of at least ``min(bucket, 1 MiB)`` is sent alone and
+      the in-process reference engine receives it straight into its parameter when it comes in the engine's dtype
+      (:meth:`milehpc.weights.broadcast.WeightStream.receive_into`); the rest (small tensors, packed up to a bucket;
+      every tensor of an engine that does not receive in place, or of a trainer whose wire dtype differs) lands in
+      two reused byte buffers: the two largest such buckets.
 
     From the shape's tensor sizes and the bucketing rules in outline (this layer may not import the transport;
-    tests/test_memory.py checks the figure against :func:`milehpc.weights.cost.bucket_sizes`, the real rules)."""
+    tests/test_memory.py checks the figures against the real rules and against bytes derived from the shape)."""
     if job.resources.colocate or job.trainer.lora is not None:
         return None
     from milehpc import plugins
     from milehpc.config.families import CHECKPOINT_MOE_ENGINES
+    from milehpc.config.job import sync_bucket_bytes
 
-    direct = plugins.lookup("engine", job.rollout.engine).direct_weight_sync
+    engine = job.rollout.engine
+    direct = plugins.lookup("engine", engine).direct_weight_sync
     s, _ = model_shape(job)
-    stacked = job.rollout.engine not in CHECKPOINT_MOE_ENGINES
+    stacked = engine not in CHECKPOINT_MOE_ENGINES
     sent = _tensor_elements(s, stacked=stacked) + ([] if job.model.freeze_vision else list(s.vision_tower))
-    sizes = [n * _wire_bytes(job) for n in sent]
-    bucket = SYNC_BUCKET_BYTES
-    if direct:  # SGLang: consecutive tensors up to a bucket; a bigger one alone
-        held = [max(max(sizes), min(sum(sizes), bucket))]
-    else:  # milehpc's broadcast: a tensor of at least min(bucket, 1 MiB) alone, the rest packed up to a bucket
-        alone = min(bucket, 1 << 20)
-        packed = sum(n for n in sizes if n < alone)
-        chunks = [bucket] * (packed // bucket) + ([packed % bucket] if packed % bucket else [])
-        held = sorted([n for n in sizes if n >= alone] + chunks, reverse=True)[:2]
-    return Item("weight-sync buffers", sum(held), "the largest bucket" + ("" if direct else "s, two at once")
-                + " (during a sync)")
+    wire = _wire_bytes(job)
+    sizes = [n * wire for n in sent]
+    bucket = sync_bucket_bytes(job)
+    if direct:  # consecutive tensors up to a bucket; a bigger one alone
+        largest = max(max(sizes), min(sum(sizes), bucket))
+        if engine != "vllm":
+            return Item("weight-sync buffers", largest, "the largest bucket (during a sync)")
+        second = min(largest, max(sum(sizes) - largest, 0))
+        layer = max(_module_elements(s)) * _engine_dtype_bytes(job)
+        return Item("weight-sync buffers", largest + second + layer,
+                    "two buckets held by the layerwise reload and its largest layer rebuilt (during a sync)")
+    alone = min(bucket, 1 << 20)
+    in_place = engine == "reference" and wire == _engine_dtype_bytes(job)
+    packed = sum(n for n in sizes if n < alone)
+    chunks = [bucket] * (packed // bucket) + ([packed % bucket] if packed % bucket else [])
+    buffered = chunks + ([] if in_place else [n for n in sizes if n >= alone])
+    held = sorted(buffered, reverse=True)[:2]
+    return Item("weight-sync buffers", sum(held),
+                ("the packed small tensors, two buckets at once; the rest received in place" if in_place
+                 else "the largest buckets, two at once") + " (during a sync)")
 
 
-# milehpc.weights.broadcast.DEFAULT_BUCKET_BYTES (a test keeps them equal)
-SYNC_BUCKET_BYTES = 512 << 20
+def supervisor_copy(job: JobSpec) -> Item | None:
+    """An engine in a supervised child process (``reference_process``) keeps a copy of the last weights it was sent
+    on its rank, to re-sync the engine after a restart (milehpc.rollout.supervisor.EngineSupervisor)."""
+    if job.rollout.engine != "reference_process" or job.trainer.lora is not None:
+        return None
+    s, _ = model_shape(job)
+    sent = sum(_tensor_elements(s, stacked=True)) + (0 if job.model.freeze_vision else s.vision)
+    return Item("engine supervisor's weight copy", sent * _wire_bytes(job), "the last weights sent, kept to re-sync "
+                "a restarted engine")
 
 
 def _wire_bytes(job: JobSpec) -> int:
-    """Bytes per element of what the sync sends: Megatron's bf16 parameters under bf16/fp8, else the model's dtype
-    (:func:`milehpc.weights.cost.wire_dtype`)."""
-    if job.trainer.backend == "megatron" and job.trainer.precision in ("bf16", "fp8"):
-        return 2
+    """Bytes per element of what the sync sends: Megatron's parameters (bf16 under bf16/fp8, else fp32), the torch
+    trainer's ``model.dtype`` (:func:`milehpc.weights.cost.wire_dtype`)."""
+    if job.trainer.backend == "megatron":
+        return 2 if job.trainer.precision in ("bf16", "fp8") else 4
     return DTYPE_BYTES[job.model.dtype]
+
+
+def _module_elements(s: Shape) -> list[int]:
+    """Parameter elements of each module the engine holds weights in (vLLM's fused QKV and gate/up projections)."""
+    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    qkv = (q + 2 * kv) * (h + (1 if s.qkv_bias else 0))
+    mlp = [2 * s.ffn * h, s.ffn * h] if not s.experts else [s.experts * 3 * s.moe_ffn * h]
+    return [s.vocab * h, qkv, q * h, *mlp]
 
 
 def _tensor_elements(s: Shape, *, stacked: bool) -> list[int]:
@@ -489,13 +525,36 @@ def _tensor_elements(s: Shape, *, stacked: bool) -> list[int]:
 
 
 def engine_rank(job: JobSpec, s: Shape, partition: Partition, device: int | None) -> RankMemory:
-    """One rollout rank: the engine's weights and its KV cache as the engine sizes it (see the module doc), and the
-    weight sync's receive buffers."""
+    """One rollout rank: the engine's weights and its KV cache as the engine sizes it (see the module doc), the
+    weight sync's receive buffers, and the random model's build where it peaks above all that."""
     rank = _engine_rank(job, s, partition, device)
-    buffers = sync_buffers(job)
-    if buffers is not None:
-        rank.items.append(buffers)
+    rank.items += [i for i in (sync_buffers(job), supervisor_copy(job)) if i is not None]
+    # The reference engines build the model in the rank (its child), vLLM's rank builds it to write the folder
+    # vLLM loads; SGLang initialises a random model itself.
+    if partition.devices.vendor == "none" and not job.model.path and job.rollout.engine in HF_BUILDING_ENGINES:
+        build = build_transient(random_build_bytes(s), rank.total)
+        if build is not None:
+            rank.items.append(build)
     return rank
+
+
+HF_BUILDING_ENGINES = ("reference", "reference_process", "vllm")
+
+
+def random_build_bytes(s: Shape) -> int:
+    """What transformers holds when it has built a random model (milehpc.models.build_model, no model.path): every
+    parameter in fp32 whatever ``model.dtype`` (cast after the build), and a tied output layer allocated untied
+    before it is tied to the embedding (issue 33: +544 MB at Qwen2.5-0.5B's shape)."""
+    return 4 * (engine_weights(s) + (s.vocab * s.hidden if s.tied else 0))
+
+
+def build_transient(peak: int, resident: int) -> Item | None:
+    """A rank's build peak, counted as what it adds over the rest of the rank (``resident``): the build comes
+    before anything else is allocated, so the rank's peak is the larger of the two (None: the build is smaller)."""
+    if peak <= resident:
+        return None
+    return Item("model build (transient)", peak - resident, f"{size(peak)} while the model is built, before the "
+                "rest: counted as what it adds over them")
 
 
 def _engine_rank(job: JobSpec, s: Shape, partition: Partition, device: int | None) -> RankMemory:
@@ -551,7 +610,8 @@ def engine_offloads(job: JobSpec, partition: Partition | None = None) -> bool:
 
 
 # ---- the reward model ([reward_model]) ---------------------------------------------------------------------------
-# A reward rank's memory (the ranks of ``[reward_model]``, or added to each rollout rank with its colocate = rollout).
+# A reward rank's memory (the ranks of ``[reward_model]``, or beside each rollout engine with its colocate = rollout:
+# :func:`colocated_reward`).
 #
 # The shape is the reward model's ``config.json`` when its folder is here, else the policy's ``[model]`` table (said in
 # a note). Both scorers load with ``from_pretrained``'s default dtype, fp32 (4 bytes an element):
@@ -559,7 +619,8 @@ def engine_offloads(job: JobSpec, partition: Partition | None = None) -> bool:
 # * **classifier** (``reward_model``): the body and the score head (``hidden x labels``; no output layer), and one
 #   forward pass of ``batch_size`` sequences (at most a step's) of ``prompt + max_new_tokens`` tokens without autograd: the widest
 #   layer's working set, ``(4h + 3f)`` values per token (norm, q/k/v and the SwiGLU's gate, up and product);
-# * **generative** (``judge``, on the reference engine in the scorer's process): the whole causal LM (output layer
+# * **generative** (``judge``, counted as on the reference engine in the scorer's process; a judge on SGLang or vLLM
+#   lives in that engine's own explicit budget, its engine_options): the whole causal LM (output layer
 #   included), and the KV cache of ``batch_size`` judge prompts decoded as one batch (the template's own tokens are
 #   not counted: :func:`milehpc.memory.prompt_tokens` does not know them).
 
@@ -603,6 +664,34 @@ def reward_items(job: JobSpec) -> tuple[list[Item], list[str]]:
     return [Item("reward model weights", weights * SCORER_BYTES, "generative judge, fp32, the whole model"),
             Item("judge KV cache", batch * seq * kv,
                  f"{batch} judge prompts x {seq} tokens + the template's, one batch")], notes
+
+
+# Engines whose KV cache lives for one generate call (freed after it: the reference engine, also in its process).
+TRANSIENT_KV_ENGINES = ("reference", "reference_process")
+
+
+def colocated_reward(job: JobSpec, engine: list[Item], reward: list[Item], *, gpu: bool) -> tuple[list[Item], str]:
+    """A rollout rank's items with the reward model beside its engine (``colocate = "rollout"``), and a note. The RM
+    is off the device while the engine generates (milehpc.runtime.loop.colocated_reward) and the engine is idle
+    while the RM scores, so on a GPU the peak is the engine's weights plus the larger of the engine's KV cache and
+    the RM: **max, not sum** — where the cache is freed after each generation (the reference engine). SGLang's pool
+    and vLLM's cache are allocated at start and held while the RM scores: both count. On a CPU the RM's host copy
+    is its weights (nothing is freed): both count."""
+    held = sum(i.bytes for i in reward)
+    parts = " + ".join(f"{i.name} {size(i.bytes)}" for i in reward)
+    if not gpu:
+        return engine + reward, ("reward model colocated with the rollout ranks: released while the engine generates, "
+                                 "but on a CPU its host copy is its weights, so the rank holds both")
+    kv = next((i for i in engine if i.name == "KV cache"), None)
+    if job.rollout.engine not in TRANSIENT_KV_ENGINES or kv is None:
+        return engine + reward, (f"reward model colocated with the rollout ranks: released while the engine "
+                                 f"generates, but the {job.rollout.engine} engine holds its KV cache while the "
+                                 "reward model scores, so the rank holds both")
+    both = Item("KV cache | reward model", max(kv.bytes, held),
+                f"the larger: the KV cache while generating ({size(kv.bytes)}) or the reward model while scoring "
+                f"({parts}); it is off the device while the engine generates")
+    return [both if i is kv else i for i in engine], ("reward model colocated with the rollout ranks: off the device "
+                                                      "while the engine generates (its KV cache freed before it scores)")
 
 
 def reward_rank(job: JobSpec, partition: Partition, device: int | None) -> tuple[RankMemory, list[str]]:
@@ -674,8 +763,8 @@ def estimate(job: JobSpec, plan: Plan, partition: Partition, *, vocab_size: int 
         reward, reward_notes = reward_rank(job, partition, device)
         notes += reward_notes
         if plan.reward_colocated:
-            notes.append("reward model colocated with the rollout ranks: each engine leader holds it beside its engine")
-            engine.items += reward.items
+            engine.items, note = colocated_reward(job, engine.items, reward.items, gpu=not cpu)
+            notes.append(note)
             reward = None
     if plan.colocated and not engine_offloads(job, partition):
         notes.append(f"colocated: the {job.rollout.engine} engine stays resident beside the trainer, so the rank "

@@ -37,8 +37,10 @@ def frontier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("frontier")
     data = folder / "math-train.jsonl"
     data.write_text('{"question": "1+1?", "answer": "2"}\n')
-    # (and resources.nodes: the layouts the tests set need fewer or more nodes than the example's four)
-    lines = [ln for ln in FRONTIER.read_text().splitlines() if not ln.startswith(("path = ", "tokenizer = ", "nodes = "))]
+    # (and resources.nodes: the layouts the tests set need fewer or more nodes than the example's four; and the vLLM
+    # engine's rollout.options: the tests switch engines)
+    lines = [ln for ln in FRONTIER.read_text().splitlines()
+             if not ln.startswith(("path = ", "tokenizer = ", "nodes = ", "options = "))]
     job = folder / "frontier-grpo.toml"
     job.write_text("\n".join(f'source = "{data}"' if ln.startswith("source = ") else ln for ln in lines) + "\n")
     return job
@@ -103,9 +105,13 @@ def _assert_peaks_match(sets: tuple[str, ...], got: dict[str, int]) -> None:
 
     prep = prepare(str(ROOT / "examples" / "cpu-demo.toml"), "local", sets, run_dir="/nonexistent")
     # The measurement generates and trains; it does not sync: the weight-sync buffers are checked against the real
-    # bucketing in test_the_sync_buffer_estimate_follows_the_real_bucketing.
-    est = {r.role: r.total - sum(i.bytes for i in r.items if i.name == "weight-sync buffers")
-           for r in memory.job_estimate(prep.job, prep.plan, prep.partition).ranks}
+    # bucketing in test_the_sync_buffer_estimate_follows_the_real_bucketing. A build peak counts as what it adds
+    # over every other row, the buffers included: the rank's peak without them is the larger of the two.
+    est = {}
+    for r in memory.job_estimate(prep.job, prep.plan, prep.partition).ranks:
+        rows = {i.name: i.bytes for i in r.items}
+        sync, build = rows.get("weight-sync buffers", 0), rows.get("model build (transient)")
+        est[r.role] = r.total - sync if build is None else max(r.total - sync - build, r.total)
     assert got["response_tokens"] == prep.job.rollout.max_new_tokens  # every sample as long as the job allows
     for role in ("trainer", "rollout"):
         assert abs(got[role] - est[role]) <= PEAK_TOLERANCE * got[role], (sets, role, got, est)
@@ -450,24 +456,100 @@ SYNC_SHAPES = {
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("engine", ["reference", "sglang"])
+@pytest.mark.parametrize("engine", ["reference", "reference_process", "sglang"])
 @pytest.mark.parametrize("shape", sorted(SYNC_SHAPES))
 def test_the_sync_buffer_estimate_follows_the_real_bucketing(shape: str, engine: str) -> None:
     """memory.sync_buffers works from the shape (it may not import the transport): its figure equals the largest
-    bucket(s) of the real bucketing rules over the real tensor list (milehpc.weights.cost), to the alignment padding
-    of the packed buckets (64 bytes per tensor); for SGLang's consecutive buckets it takes a full bucket, which the
-    real one undershoots by less than the tensor that did not fit."""
+    bucket(s) the engine receives into buffers under the real bucketing rules over the real tensor list
+    (milehpc.weights.cost; the reference engine takes every tensor sent alone in place, the supervised one none), to
+    the alignment padding of the packed buckets (64 bytes per tensor); for SGLang's consecutive buckets it takes a
+    full bucket, which the real one undershoots by less than the tensor that did not fit."""
+    from milehpc.config.job import sync_bucket_bytes
     from milehpc.weights import broadcast, cost
     from milehpc.weights.sync import direct_weight_sync
 
-    assert memory.SYNC_BUCKET_BYTES == broadcast.DEFAULT_BUCKET_BYTES
     job = load_job(ROOT / "examples" / "cpu-demo.toml", [*SYNC_SHAPES[shape], f'rollout.engine="{engine}"'])
+    assert sync_bucket_bytes(job) == broadcast.DEFAULT_BUCKET_BYTES  # the option's default is the transport's
     tensors = cost.job_tensors(job)
     direct = direct_weight_sync(job)
-    sizes = sorted(cost.bucket_sizes(tensors, direct=direct), reverse=True)
-    want = sum(sizes[:1] if direct else sizes[:2])
+    if direct:  # SGLang loads each bucket before the next one comes: the largest
+        want = max(cost.bucket_sizes(tensors, direct=True))
+    else:
+        buckets = broadcast.plan_buckets([(t.name, t) for t in tensors])[1]  # type: ignore[misc]
+        want = sum(sorted((b.nbytes for b in buckets if not (b.direct and engine == "reference")), reverse=True)[:2])
     got = memory.sync_buffers(job)
     assert got is not None
     slack = max((t.nbytes for t in tensors if t.nbytes < broadcast.DEFAULT_BUCKET_BYTES), default=0) if direct else 0
     assert -broadcast.ALIGN * len(tensors) <= got.bytes - want <= slack + broadcast.ALIGN * len(tensors), \
         (shape, engine, got.bytes, want)
+
+
+# Qwen2.5-0.5B's shape, each tensor's elements by hand (issue 33): the rows below are derived from these, not from
+# the estimate's own lists.
+H, KV, FFN, VOCAB, LAYERS = 896, 128, 4864, 151936, 24
+EMBED = VOCAB * H
+PACKED = LAYERS * (2 * KV * H + H + 2 * KV + 2 * H) + H  # k/v projections, q/k/v biases, 2 norms; the final norm
+PARAMS = EMBED + LAYERS * (2 * H * H + 2 * KV * H + 3 * FFN * H + H + 2 * KV + 2 * H) + H  # 494,032,768 (tied)
+BUCKET = 512 << 20
+
+
+def _sync_row(*sets: str) -> int:
+    job = load_job(ROOT / "examples" / "cpu-demo.toml", [*SYNC_SHAPES["qwen2.5-0.5b"], *sets])
+    got = memory.sync_buffers(job)
+    assert got is not None
+    return got.bytes
+
+
+@pytest.mark.quick
+def test_the_sync_rows_are_what_each_engine_and_trainer_allocate_at_the_half_billion_shape() -> None:
+    """Issue 33: each engine's receive side as the code allocates it now, per trainer (the wire dtype), in bytes
+    derived from Qwen2.5-0.5B's shape by hand. Reference engine: every tensor of 1 MiB or more lands in its parameter,
+    so the buffers hold the packed small tensors alone (22 MB, not the 544 MB embedding); a trainer whose wire dtype
+    is not the engine's (Megatron fp32 into a bf16 engine) and the supervised engine (nothing in place) buffer the
+    embedding too; SGLang its largest bucket; vLLM two buckets and its largest layer rebuilt."""
+    assert PARAMS == 494_032_768 and PACKED * 4 < 1 << 25
+    assert _sync_row('rollout.engine="reference"') == PACKED * 4
+    assert _sync_row('rollout.engine="reference"', 'model.dtype="bfloat16"') == PACKED * 2
+    assert _sync_row('rollout.engine="reference"', 'model.dtype="bfloat16"', 'trainer.backend="megatron"') \
+        == EMBED * 4 + PACKED * 4  # fp32 on the wire into bf16 parameters: not in place
+    assert _sync_row('rollout.engine="reference_process"') == EMBED * 4 + PACKED * 4
+    # SGLang: the largest bucket; bf16 on the wire: a full one (the model is 988 MB)
+    assert _sync_row('rollout.engine="sglang"', 'trainer.backend="megatron"', 'trainer.precision="bf16"') == BUCKET
+    assert _sync_row('rollout.engine="sglang"') == EMBED * 4  # the embedding alone (over a bucket)
+    assert _sync_row('rollout.engine="vllm"') == 3 * EMBED * 4  # its bucket, the next one and the embedding rebuilt
+    # the bucket size is the job's (rollout.options.weight_bucket_mb), on every engine
+    assert _sync_row('rollout.engine="sglang"', 'trainer.backend="megatron"', 'trainer.precision="bf16"',
+                     "rollout.options.weight_bucket_mb=64") == EMBED * 2  # over 64 MiB: alone
+    assert _sync_row('rollout.engine="reference_process"', "rollout.options.weight_bucket_mb=8") \
+        == EMBED * 4 + FFN * H * 4  # the packed 22 MB now in 8 MiB buckets, below an MLP matrix
+
+
+@pytest.mark.quick
+def test_the_supervised_engines_copy_and_the_random_builds_peak_are_rows() -> None:
+    """Issue 33: a supervised reference engine's rank keeps the last weights it was sent (to re-sync a restart);
+    building a random tied model, transformers allocates the output layer untied and every parameter in fp32 before
+    tying and casting: at the 0.5B shape that build (2.52 GB) is the rollout rank's peak, above its weights, KV and
+    sync buffers, on a CPU partition; SGLang builds no HF model in the rank."""
+    from milehpc.render.rundir import prepare
+
+    def rollout(*sets: str) -> memory.RankMemory:
+        prep = prepare(str(ROOT / "examples" / "cpu-demo.toml"), "local", (*SYNC_SHAPES["qwen2.5-0.5b"], *sets),
+                       run_dir="/nonexistent")
+        return next(r for r in memory.job_estimate(prep.job, prep.plan, prep.partition).ranks if r.role == "rollout")
+
+    build = 4 * (PARAMS + EMBED)
+    for dtype in ("float32", "bfloat16"):
+        rank = rollout(f'model.dtype="{dtype}"')
+        assert rank.total == build, (dtype, rank.items)  # the build is the larger phase, whatever the dtype
+        assert next(i for i in rank.items if i.name == "engine weights").bytes == PARAMS * (4 if dtype == "float32"
+                                                                                             else 2)
+    supervised = rollout('rollout.engine="reference_process"')
+    copy = next(i for i in supervised.items if i.name == "engine supervisor's weight copy")
+    assert copy.bytes == PARAMS * 4  # the tied output layer is not sent, so not kept
+    assert supervised.total == PARAMS * 4 * 2 + EMBED * 4 + PACKED * 4 + _kv(supervised)
+    sglang = rollout('rollout.engine="sglang"')
+    assert not any(i.name == "model build (transient)" for i in sglang.items)
+
+
+def _kv(rank: memory.RankMemory) -> int:
+    return next(i.bytes for i in rank.items if i.name.startswith("KV"))

@@ -5,6 +5,9 @@ tests/megatron_checks.py.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from milehpc.config.job import JobSpec, ModelSpec
@@ -13,6 +16,7 @@ from milehpc.models import build_model
 from milehpc.rollout.reference import ReferenceEngine
 
 TOK = CharTokenizer()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_tied_lm_head_is_sent_once_and_the_engine_ties_it_itself() -> None:
@@ -165,3 +169,47 @@ def test_broadcasts_overlap_within_the_window_and_the_receive_buffers_stay_two()
         assert wire.peak == receiver_peak and wire.live == 0 and not wire.sent
         assert all(torch.equal(got[name], t) for name, t in sent)
         assert all(torch.equal(dest[name], t) for name, t in sent) == in_place
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("engine", ["reference", "sglang", "vllm"])
+def test_every_engines_sync_is_cut_at_the_jobs_bucket_size(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33: ``rollout.options.weight_bucket_mb`` reaches the sync whatever the engine (SGLang's and vLLM's
+    update-group sync ignored it and cut 512 MiB buckets). The stage leader's call is recorded in place of the
+    transport (which needs the engine's processes; the sending itself is checked by the SGLang sender test above and
+    tests/test_runtime_mpi.py), then the sender's own bucketing is run at that size: every bucket of several tensors
+    fits it, and a tensor over it travels alone."""
+    from types import SimpleNamespace
+
+    from milehpc.config.load import load_job
+    from milehpc.rollout import sglang_mapping as sm
+    from milehpc.runtime.loop.separate_trainer import SeparateTrainer
+    from milehpc.weights import broadcast, sglang, sync
+
+    job = load_job(ROOT / "examples" / "cpu-demo.toml", [f'rollout.engine="{engine}"', "rollout.options.weight_bucket_mb=3"])
+    calls: list[dict] = []
+    for module in (sglang, sync):
+        monkeypatch.setattr(module, "sync_weights", lambda comms, version, **kw: calls.append(kw) or [])
+    trainer = SimpleNamespace(export_is_collective=engine == "sglang", export_weights=lambda: iter([]))
+    loop = SimpleNamespace(job=job, direct=engine != "reference", leader=False, trainer=trainer,
+                           comms=SimpleNamespace(sync_groups={0: SimpleNamespace(is_source=True)}))
+    SeparateTrainer.push_weights(loop, 1)  # type: ignore[arg-type]
+    (call,) = calls
+    assert call["bucket_bytes"] == 3 << 20, call
+    sizes = [4 << 20, 1 << 20, 1 << 20, 1 << 20, 2 << 20, 512]  # bytes of float32 tensors
+    named = [(f"t{i}", torch.empty(n // 4)) for i, n in enumerate(sizes)]
+    cut = [[n for n, _ in b] for b in (sm.buckets(named, call["bucket_bytes"]) if engine != "reference"
+                                       else _reference_buckets(named, call["bucket_bytes"]))]
+    for bucket in cut:
+        nbytes = sum(sizes[int(n[1:])] for n in bucket)
+        assert nbytes <= 3 << 20 or len(bucket) == 1, cut
+    if engine != "reference":
+        assert cut == [["t0"], ["t1", "t2", "t3"], ["t4", "t5"]]  # at 512 MiB: one bucket of all six
+        assert len(list(sm.buckets(named, broadcast.DEFAULT_BUCKET_BYTES))) == 1
+
+
+def _reference_buckets(named: list, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    from milehpc.weights.broadcast import plan_buckets
+
+    metas, buckets = plan_buckets(named, bucket_bytes)
+    return [[named[i] for i in b.tensors] for b in buckets]

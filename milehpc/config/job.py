@@ -73,9 +73,17 @@ class RolloutLoopOptions:
 
     partial_chunk: int = opt(0, min=0, help="partial rollout: tokens per chunk; 0 = half of max_new_tokens")
     max_filter_rounds: int = opt(4, min=1, help="dynamic filter: generation rounds per step to fill the batch")
+    # The SGLang engine's own options declare the same name and default (milehpc.config.sglang_options).
+    weight_bucket_mb: int = opt(512, min=1, help="bucket size of the weight sync to the rollout ranks")
 
 
 ROLLOUT_LOOP_OPTIONS = schema_defaults(RolloutLoopOptions)
+
+
+def sync_bucket_bytes(job: JobSpec) -> int:
+    """The weight sync's bucket size, ``rollout.options.weight_bucket_mb`` (every engine; issue 33: the trainer cuts
+    the buckets for SGLang, vLLM and the reference engines alike)."""
+    return int({**ROLLOUT_LOOP_OPTIONS, **job.rollout.options}["weight_bucket_mb"]) << 20
 
 
 @dataclass

@@ -279,6 +279,7 @@ def for_job(job: JobSpec, plan: Plan, partition: Partition, *, head_dim: int | N
     """The job's sync cost per step; None when nothing crosses a wire (colocated: in place) or the adapter alone
     travels (LoRA). ``head_dim``: overrides the shape's (the README's Qwen3 sizes without a config.json here);
     ``tensors``: :func:`job_tensors` of the job, when already known."""
+    from milehpc.config.job import sync_bucket_bytes
     from milehpc.weights.sync import direct_weight_sync
 
     if plan.colocated or job.trainer.lora is not None:
@@ -287,7 +288,7 @@ def for_job(job: JobSpec, plan: Plan, partition: Partition, *, head_dim: int | N
     layers = len({m.group(1) for t in tensors if (m := _LAYER.search(t.name))})
     stages = [stage_tensors(tensors, layers, plan.pp, st) for st in range(plan.pp)]
     cost = sync_cost(stages, direct=direct_weight_sync(job), members=1 + plan.rollout_ranks,
-                     nodes=group_nodes(plan), fabric=fabric_of(partition))
+                     nodes=group_nodes(plan), fabric=fabric_of(partition), bucket_bytes=sync_bucket_bytes(job))
     device = partition.devices.memory_gib
     if device and cost.held_bytes > device * (1 << 30):
         from milehpc.memory import size

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from milehpc.config.job import sync_bucket_bytes
 from milehpc.errors import RuntimeFailure
 from milehpc.runtime.loop import schedule
 from milehpc.runtime.loop.evaluation import LoopEval, eval_due
@@ -127,10 +128,11 @@ class SeparateTrainer:
                 exports.append(TimedExport(self.trainer.export_weights()))
                 return exports[-1]
 
+            bucket = sync_bucket_bytes(self.job)  # rollout.options.weight_bucket_mb, whatever the engine
             if self.direct and self.trainer.export_is_collective:
-                sync_weights(self.comms, version, named_tensors=exports[0], again=again)
+                sync_weights(self.comms, version, named_tensors=exports[0], again=again, bucket_bytes=bucket)
             elif source:
-                sync_weights(self.comms, version, named_tensors=exports[0])
+                sync_weights(self.comms, version, named_tensors=exports[0], bucket_bytes=bucket)
             exports[-1].drain()
             self.export_s = sum(e.seconds for e in exports)
         return time.perf_counter() - t0
