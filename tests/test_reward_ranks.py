@@ -121,8 +121,9 @@ def test_colocated_reward_model_adds_no_ranks_and_counts_in_the_rollout_rank(rm_
     assert data["summary"]["reward"] == "on the rollout engine leaders (2 scorer(s))"
     rollout = {r["item"]: r["bytes"] for r in data["memory"] if r["rank"] == "rollout"}
     without = {r["item"]: r["bytes"] for r in base["memory"] if r["rank"] == "rollout"}
-    assert "reward model weights" in rollout and "reward model weights" not in without
-    assert rollout["total"] == without["total"] + rollout["reward model weights"] + rollout["scoring forward"]
+    # off the device while the engine generates: in the KV cache's place (tests/test_judge_engines.py: max, not sum)
+    assert "KV cache | reward model" in rollout and "KV cache" in without and "KV cache" not in rollout
+    assert rollout["total"] > without["total"]
 
 
 @pytest.mark.parametrize(("sets", "field", "expect"), [

@@ -145,7 +145,11 @@ class JudgeParams:
     path: str = opt(pattern=r".+", expect="a local folder of an HF causal LM",
                     help="the judge model's folder (AutoModelForCausalLM)")
     tokenizer: str = opt("", help="the judge's tokenizer: a local folder or 'toy'; empty = path")
-    engine: Literal["reference"] = opt("reference", help="the engine the judge generates on, in this process")
+    engine: str = opt("reference", pattern=r"[A-Za-z0-9_.:-]+", expect="an engine plugin's name",
+                      help="the engine plugin the judge generates on (reference: in this process; sglang, vllm: "
+                           "their own processes, as on the rollout ranks)")
+    engine_options: dict[str, Any] = opt({}, help="the engine's options, as rollout.options for that engine (e.g. "
+                                                   "sglang: cpu_memory_gib, mem_fraction_static; vllm: kv_cache_gib)")
     template: str = opt("{prompt}{response}", help="the judge's prompt; fields {prompt}, {response}, {label}")
     chat_template: bool = opt(False, help="send the template's text as a user turn through the chat template")
     answer_pattern: str = opt(r"(-?\d+(?:\.\d+)?)", help="regular expression; its first group (else the whole "
@@ -180,6 +184,14 @@ class JudgeParams:
                               field=f"{prefix}.answer_pattern") from None
         if self.scale == 0:
             raise ConfigError("expected a non-zero scale, got 0", file=file, field=f"{prefix}.scale")
+        from milehpc.config.reward_model import check_judge_engine
+
+        check_judge_engine(self.engine, self.engine_options, file=file, prefix=prefix)
+        if self.engine != "reference":  # an engine plugin serves the families milehpc maps for it (the reference
+            from milehpc.config.families import check_family, folder_model_type  # judge takes any causal LM)
+
+            if (model_type := folder_model_type(self.path)) is not None:
+                check_family(model_type, file=file, field=f"{prefix}.path")
 
 
 @hookimpl

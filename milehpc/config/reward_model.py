@@ -74,3 +74,31 @@ def check_reward_group(rm: RewardModelSpec, rewards: Iterable[tuple[str, str, di
         if params.get("path") != rm.path:
             raise ConfigError(f"expected the '{want}' scorer's path to be reward_model.path ({rm.path!r}), got "
                               f"{params.get('path')!r}", file=file, field=f"{field}.params.path")
+
+
+def check_judge_engine(engine: str, options: dict[str, Any], *, file: str | None, prefix: str) -> None:
+    """A judge's ``engine`` and ``engine_options`` checked as ``rollout.engine`` and ``rollout.options`` are (the
+    engine plugin's declared options and its own full check), one line naming ``prefix.engine[_options...]``."""
+    from milehpc import plugins
+    from milehpc.config.schema import check_params
+    from milehpc.plugin_types import load_ref
+
+    spec = plugins.lookup("engine", engine, file=file, field=f"{prefix}.engine")
+    where = f"{prefix}.engine_options"
+    check_params(spec, options, file=file, prefix=where)
+    if spec.check_options is not None:
+        try:
+            load_ref(spec.check_options)(options, file=file)
+        except ConfigError as err:  # the engine's own check names rollout.options: name the judge's field
+            field = (err.field or "rollout.options").replace("rollout.options", where, 1)
+            message = err.message
+            if message.startswith("set by milehpc"):  # a server arg milehpc derives: the judge's, not the job's
+                message = "set by milehpc for the judge (from its path, tokenizer and seed, one engine on one device)"
+            raise ConfigError(message, file=file, field=field) from None
+
+
+def judge_engines(rewards: Iterable[tuple[str, str, dict[str, Any]]]) -> list[tuple[str, str]]:
+    """(field, engine) of every ``judge`` the job's ``[reward]`` names (``rewards``: :func:`milehpc.config.job.
+    named_rewards`), for the site's container check."""
+    return [(f"{field}.params.engine", str(params.get("engine", "reference")))
+            for field, name, params in rewards if name == SCORER_OF_KIND["generative"]]

@@ -71,6 +71,93 @@ def _with_retries(what: str, retries: int, fn: Any) -> tuple[Any, int]:
     raise AssertionError("unreachable")
 
 
+# -- released while another model uses the device ([reward_model] colocate = "rollout") ------------------------
+
+class DeviceWeights:
+    """A frozen model's tensors (parameters and buffers) taken off their device while the rollout engine generates,
+    and put back before it scores. Why not torch_memory_saver (what :mod:`milehpc.runtime.offload` pauses the
+    trainer with): the model never changes, so a host copy made once is always current — a release only drops the
+    device tensors (no copy back) and a restore is one host-to-device copy from pinned memory, the transfer a
+    paused region with a CPU backup would make too; and plain tensor moves need no CUDA-only package, no hook mode
+    shared with the trainer's saver in a colocated rank, and run on AMD GPUs and CPUs alike. The memory goes back
+    to the driver (``empty_cache``): SGLang's and vLLM's schedulers are other processes.
+
+    On a CPU the host copy is the tensor itself (nothing is freed: the memory estimate counts it so) and a release
+    still swaps in empty tensors, so a forward pass between release and restore fails instead of running."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.host: dict[str, Any] = {}  # name -> the host copy (pinned for a GPU tensor)
+        self.device: dict[str, Any] = {}  # name -> where it lives when restored
+        self.released = False
+
+    def _tensors(self) -> list[tuple[str, Any]]:
+        # named_parameters drops duplicates: a tied embedding is one Parameter, released once for both users.
+        return [*self.module.named_parameters(), *(("buffer:" + n, b) for n, b in self.module.named_buffers())]
+
+    def resident_bytes(self) -> int:
+        """Bytes the model's tensors hold now (0 while released)."""
+        return sum(t.numel() * t.element_size() for _, t in self._tensors())
+
+    def release(self) -> int:
+        """Drop the device tensors (the first time, copy them to the host); returns the bytes dropped."""
+        import torch
+
+        if self.released:
+            return 0
+        freed = self.resident_bytes()
+        for name, t in self._tensors():
+            if name not in self.host:
+                self.device[name] = t.device
+                self.host[name] = t.detach().to("cpu").pin_memory() if t.is_cuda else t.detach()
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        self.released = True
+        if any(d.type == "cuda" for d in self.device.values()):
+            torch.cuda.empty_cache()  # back to the driver, for the engine's own processes
+        return freed
+
+    def restore(self) -> None:
+        """Put the tensors back on their devices (one copy each from the host)."""
+        if not self.released:
+            return
+        for name, t in self._tensors():
+            t.data = self.host[name].to(self.device[name], non_blocking=True)
+        if any(d.type == "cuda" for d in self.device.values()):
+            import torch
+
+            torch.cuda.synchronize()  # the copies are done before the first forward pass reads them
+        self.released = False
+
+
+_COLOCATED = threading.Event()  # set on a rollout rank that scores beside its engine (reward_side.ColocatedScoring)
+
+
+def colocate_here() -> None:
+    """This process's model scorers share the device with its rollout engine (loaded ones are released while it
+    generates; a judge engine started from now on keeps what it needs to come back, see milehpc.rollout.judge)."""
+    _COLOCATED.set()
+
+
+def colocated_here() -> bool:
+    return _COLOCATED.is_set()
+
+
+def release_models() -> int:
+    """Release every model scorer loaded in this process (see :class:`DeviceWeights`); the bytes released."""
+    with _LOCK:
+        held = list(_LOADED.values())
+    return sum(m.release() for m in held if hasattr(m, "release"))
+
+
+def restore_models() -> None:
+    """Restore what :func:`release_models` released."""
+    with _LOCK:
+        held = list(_LOADED.values())
+    for m in held:
+        if hasattr(m, "restore"):
+            m.restore()
+
+
 # -- the classifier RM ----------------------------------------------------------------------------------------
 
 class ClassifierRM:
@@ -91,6 +178,16 @@ class ClassifierRM:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.lock = threading.Lock()  # one forward pass at a time per model
+        self.weights = DeviceWeights(self.model)
+
+    def release(self) -> int:
+        """Off the device while the rollout engine generates (``[reward_model] colocate = "rollout"``)."""
+        with self.lock:
+            return self.weights.release()
+
+    def restore(self) -> None:
+        with self.lock:
+            self.weights.restore()
 
     def text(self, prompt: str, response: str, chat_template: bool) -> str:
         """What the RM reads for one sample."""

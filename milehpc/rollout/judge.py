@@ -1,8 +1,14 @@
-"""The ``judge`` reward: a generative judge (a causal LM from a local folder) generating on the reference engine in
-this process, asked with the job's ``template`` (fields ``{prompt}``, ``{response}``, ``{label}``) and graded by
-:func:`milehpc.rewards.model_scorers.parse_answer`. Greedy first; an answer without a grade is asked again, sampled
-at ``retry_temperature``, up to ``retries`` times; a sample still without a grade fails (never scored 0). Its
-parameters are declared in :mod:`milehpc.builtin.rewards`."""
+"""The ``judge`` reward: a generative judge (a causal LM from a local folder) asked with the job's ``template``
+(fields ``{prompt}``, ``{response}``, ``{label}``) and graded by :func:`milehpc.rewards.model_scorers.parse_answer`.
+Greedy first; an answer without a grade is asked again, sampled at ``retry_temperature``, up to ``retries`` times; a
+sample still without a grade fails (never scored 0). Its parameters are declared in :mod:`milehpc.builtin.rewards`.
+
+The judge generates on an engine plugin, the one its ``engine`` names: ``reference`` holds the judge (any HF causal
+LM) in this process; any other (``sglang``, ``vllm``, a third party's) is built by the plugin's own factory, exactly
+as a rollout rank builds its engine (``impl(ctx)``), from a context of one engine on this process's device whose
+job is the judge's folder, tokenizer and ``engine_options`` (that engine's ``rollout.options``, checked on the login
+node by :func:`milehpc.config.reward_model.check_judge_engine`). So the judge's SGLang is started, watched,
+restarted and budgeted (``cpu_memory_gib``, ``mem_fraction_static``; vLLM's ``kv_cache_gib``) as the policy's is."""
 
 from __future__ import annotations
 
@@ -10,28 +16,83 @@ import asyncio
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from milehpc.rewards.model_scorers import cached, model_folder, parse_answer, prompt_text
+from milehpc.rewards.model_scorers import DeviceWeights, cached, model_folder, parse_answer, prompt_text
 from milehpc.samples import Sample
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _OneRank:
+    """The communicator part an engine factory reads, for an engine of one rank (the judge's): nothing to share."""
+
+    rank: int = 0
+    size: int = 1
+    device: Any = None  # torch.device of this process's GPU; None on a CPU
+    timeout: float = 600.0
+
+
+def _device() -> Any:
+    """This process's GPU (the one the rank bound, or the scorer process's only one), else None."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def plugin_engine(engine: str, options: dict[str, Any], folder: Path, tokenizer: str, seed: int, *,
+                  colocated: bool = False) -> Any:
+    """The engine plugin ``engine`` serving the judge of ``folder``, built by the plugin's factory as a rollout rank
+    builds its own (a one-engine plan on this process's device). ``colocated``: the judge shares the device with the
+    rollout engine and is released while that generates (SGLang then runs with its memory saver and a CPU copy of
+    the weights, which its release would otherwise drop: they are not synced back like the policy's)."""
+    from milehpc import plugins
+    from milehpc.comm.context import RunContext
+    from milehpc.config.load import job_from_dict
+    from milehpc.plan import Plan
+
+    device = _device()
+    opts = dict(options)
+    if colocated and device is not None and engine == "sglang":
+        opts["server_args"] = {**opts.get("server_args", {}), "enable_weights_cpu_backup": True}
+    job = job_from_dict({"name": "judge", "model": {"path": str(folder), "tokenizer": tokenizer},
+                         "rollout": {"engine": engine, "options": opts}, "run": {"seed": seed},
+                         "resources": {"colocate": colocated}}, file="<judge>")
+    gpu = device is not None
+    plan = Plan(job_name="judge", site="", partition="", nodes=1, ranks_per_node=1, world_size=1, colocated=False,
+                device_vendor="nvidia" if gpu else "none", backend="nccl" if gpu else "gloo", gpus_per_rank=int(gpu),
+                trainer_ranks=0, tp=1, pp=1, dp=1, ep=1, rollout_first=0, rollout_ranks=1, engines=1,
+                gpus_per_engine=1)
+    ctx = RunContext(job, plan, _OneRank(device=device), run_dir=Path.cwd())  # type: ignore[arg-type]
+    return plugins.load("engine", engine, field="reward.params.engine")(ctx)
+
+
 class Judge:
-    """A causal LM asked to grade, generating on the reference engine in this process."""
+    """A causal LM asked to grade, generating on its engine plugin (see the module docstring)."""
 
-    def __init__(self, path: str, tokenizer: str = "", seed: int = 0) -> None:
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, path: str, tokenizer: str = "", seed: int = 0, engine: str = "reference",
+                 engine_options: dict[str, Any] | None = None, colocated: bool = False) -> None:
         from milehpc.data.tokenizer import build_tokenizer
-        from milehpc.rollout.reference import ReferenceEngine
 
         folder = model_folder(path)
         tok_name = tokenizer or str(folder)
-        self.tokenizer = build_tokenizer(tok_name if tok_name == "toy" else str(model_folder(tok_name, field="tokenizer")))
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
-        self.engine = ReferenceEngine(model, self.tokenizer, seed=seed)
+        tok_name = tok_name if tok_name == "toy" else str(model_folder(tok_name, field="tokenizer"))
+        self.tokenizer = build_tokenizer(tok_name)
+        self.engine_name = engine
+        self.weights: DeviceWeights | None = None
+        if engine == "reference":
+            from transformers import AutoModelForCausalLM
+
+            from milehpc.rollout.reference import ReferenceEngine
+
+            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+            self.engine = ReferenceEngine(model, self.tokenizer, device=_device() or "cpu", seed=seed)
+            self.weights = DeviceWeights(self.engine.model)
+        else:
+            self.engine = plugin_engine(engine, engine_options or {}, folder, tok_name, seed, colocated=colocated)
         self.lock = threading.Lock()  # the engine's sampling stream is not shared between threads
 
     def answers(self, prompts: list[str], *, chat_template: bool, max_new_tokens: int,
@@ -43,22 +104,53 @@ class Judge:
         sp = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=1)
         with self.lock:
             out = self.engine.generate(ids, sp)
-        return [s.response_text for s in out]
+        if len(out) != len(ids):
+            raise RuntimeError(f"the judge's {self.engine_name} engine answered {len(out)} of {len(ids)} prompts")
+        # decoded here, one way whichever engine (the engine plugins return ids; the rollout side decodes theirs)
+        return [self.tokenizer.decode(s.response_ids) for s in out]
+
+    def release(self) -> int:
+        """Off the device while the rollout engine generates: the reference judge's tensors, or the engine's own
+        release (SGLang's memory saver; nothing where the engine holds nothing to release). The bytes released
+        where known."""
+        with self.lock:
+            if self.weights is not None:
+                return self.weights.release()
+            self.engine.release_memory()
+            return 0
+
+    def restore(self) -> None:
+        with self.lock:
+            if self.weights is not None:
+                self.weights.restore()
+            else:
+                self.engine.resume_memory(None)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
 
-def load_judge(path: str, tokenizer: str = "", seed: int = 0) -> Judge:
-    """The judge of ``path``, loaded once per process."""
-    return cached(("judge", str(model_folder(path).resolve()), tokenizer, str(seed)), lambda: Judge(path, tokenizer, seed))
+def load_judge(path: str, tokenizer: str = "", seed: int = 0, engine: str = "reference",
+               engine_options: dict[str, Any] | None = None) -> Judge:
+    """The judge of ``path`` on ``engine``, loaded once per process."""
+    import json
+
+    from milehpc.rewards.model_scorers import colocated_here
+
+    key = ("judge", str(model_folder(path).resolve()), tokenizer, str(seed), engine,
+           json.dumps(engine_options or {}, sort_keys=True))
+    return cached(key, lambda: Judge(path, tokenizer, seed, engine, engine_options, colocated=colocated_here()))
 
 
 def score_judge(samples: Sequence[Sample], *, path: str, tokenizer: str = "", engine: str = "reference",
-                template: str = "{prompt}{response}", chat_template: bool = False,
+                engine_options: dict[str, Any] | None = None, template: str = "{prompt}{response}",
+                chat_template: bool = False,
                 answer_pattern: str = r"(-?\d+(?:\.\d+)?)", answer_map: dict[str, float] | None = None,
                 scale: float = 1.0, max_new_tokens: int = 16, batch_size: int = 32, retries: int = 2,
                 retry_temperature: float = 1.0, seed: int = 0) -> list[Any]:
     """One value per sample: ``{"score", "judge_answer", "judge_retries"}``, or why it has none. Answers that do
     not parse are asked again, sampled at ``retry_temperature``, up to ``retries`` times."""
-    judge = load_judge(path, tokenizer, seed)
+    judge = load_judge(path, tokenizer, seed, engine, engine_options)
     prompts = [template.format(prompt=prompt_text(s), response=s.response_text, label=s.label or "") for s in samples]
     out: list[Any] = [None] * len(samples)
     tries = [0] * len(samples)

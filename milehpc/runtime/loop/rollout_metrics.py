@@ -40,12 +40,12 @@ def rollout_metrics(stats: dict[str, float]) -> dict[str, float]:
     }
     out["rollout/gen_tokens"] = stats.get("gen_tokens", 0.0)
     out["rollout/engine_restarts"] = stats.get("engine_restarts", 0.0)
-    for key in ("wait_weights", "load_weights"):  # separate rollout ranks only
+    for key in ("wait_weights", "load_weights", "rm_offload", "rm_onload"):  # separate rollout ranks; colocated RM
         if f"time_{key}" in stats:
             out[f"time/{key}"] = stats[f"time_{key}"]
     if stats.get("time_gen", 0.0) > 0:
         out["perf/gen_tokens_per_s"] = stats.get("gen_tokens", 0.0) / stats["time_gen"]
-    for key in ("failed", "dropped", "rescored", "restarts"):  # reward ranks ([reward_model]): their scorer's counts
+    for key in ("failed", "dropped", "rescored", "restarts", "offloaded_gib"):  # [reward_model]: its scorer's counts
         if f"reward_{key}" in stats:
             out[f"reward/{key}"] = stats[f"reward_{key}"]
     for key, total in stats.items():

@@ -106,6 +106,11 @@ class RolloutSide:
         self.outbox: list[SentBatch] = []  # sent to the trainer, not yet trained
         # [reward_model] ranks of their own: the samples are scored there (runtime.loop.reward_side), else here
         self.remote: RemoteScoring | None = None
+        # [reward_model] colocate = "rollout": the RM beside the engine, off the device while it generates
+        if leader and job.reward_model.enabled and job.reward_model.colocate == "rollout":
+            from milehpc.runtime.loop.colocated_reward import ColocatedScoring
+
+            self.remote = ColocatedScoring(self)
         # Seconds the driver spent on weights since the last batch (waiting, loading): reported with the next one.
         self.weight_times: dict[str, float] = {}
 
