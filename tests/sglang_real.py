@@ -72,3 +72,50 @@ def engine_args(model: Path, **extra: Any) -> dict[str, Any]:
 
     return {**CPU_SERVER_ARGS, "model_path": str(model), "skip_tokenizer_init": True, "dtype": "float32",
             "random_seed": 0, "log_level": "error", **extra}
+
+
+def sync_over_gloo(engine: Any, named: list[tuple[str, Any]], bucket_bytes: int, version: int, name: str) -> Any:
+    """milehpc's trainer side of a separate-ranks sync into a real SGLang ``engine``: an update group of two joined
+    SGLang's way (trainer rank 0 here, in a thread), one flat uint8 broadcast per bucket (what ``StageSender.send``
+    does) received by the engine's ``receive_bucket``, then ``finish_update(version)``. Returns the trainer's group
+    (the caller leaves it with :func:`leave_sync_group`); the number of buckets sent is in ``engine.last_buckets``."""
+    import threading
+
+    import torch.distributed as dist
+
+    from milehpc.comm.net import host_store
+    from milehpc.rollout import sglang_mapping as sm
+    from milehpc.weights.sglang import join_update_group
+
+    store, port = host_store("127.0.0.1", f"{name}-{os.getpid()}", 2, 60.0)
+    box: dict = {}
+    joiner = threading.Thread(target=lambda: box.setdefault("pg", join_update_group(
+        store, world_size=2, rank=0, group_name=sm.group_name(0), backend="gloo", timeout=60.0)))
+    joiner.start()
+    engine.begin_update()
+    engine.join_update_group(master_address="127.0.0.1", master_port=port, world_size=2, stage=0, backend="gloo")
+    joiner.join(60)
+    pg = box["pg"]
+    buckets = [sm.flatten_bucket(b) for b in sm.buckets(named, bucket_bytes)]
+    for flat, meta in buckets:
+        def send(flat: Any = flat) -> None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, 0
+            pg.broadcast([flat], opts).wait()
+        sender = threading.Thread(target=send)
+        sender.start()
+        engine.receive_bucket(meta, stage=0)
+        sender.join(60)
+    engine.finish_update(version)
+    engine.last_buckets = len(buckets)
+    return pg
+
+
+def leave_sync_group(engine: Any, pg: Any) -> None:
+    """Both ends of :func:`sync_over_gloo`'s group torn down (the engine's, then the trainer's)."""
+    from milehpc.rollout import sglang_mapping as sm
+    from milehpc.weights.sglang import leave_update_group
+
+    engine._call("destroy", engine._engine.destroy_weights_update_group, group_name=sm.group_name(0))
+    engine.update_groups.clear()
+    leave_update_group(pg)

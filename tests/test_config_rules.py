@@ -67,9 +67,10 @@ CASES: dict[str, tuple[dict, dict, str]] = {
     "model_family_is_supported": (
         {"model": {"path": str(UNSUPPORTED_FAMILY)}},
         {"model": {"path": str(CORPUS / "models" / "qwen3")}}, "model.path"),
-    "vision_models_roll_out_on_the_reference_engine": (
+    # SGLang serves Qwen2.5-VL; its CPU scheduler dies on a Qwen3-VL image prompt (README's VL section)
+    "vision_models_roll_out_on_engines_that_take_images": (
+        {"model": {"path": str(CORPUS / "models" / "qwen3_vl")}, "rollout": {"engine": "sglang"}},
         {"model": {"path": str(CORPUS / "models" / "qwen2_5_vl")}, "rollout": {"engine": "sglang"}},
-        {"model": {"path": str(CORPUS / "models" / "qwen2_5_vl")}, "rollout": {"engine": "reference"}},
         "rollout.engine"),
     "random_moe_has_an_moe_family": (
         {"model": {"arch": "llama", "num_experts": 4}},
@@ -245,6 +246,22 @@ def test_submit_sweep_runs_the_rules_for_every_value(tmp_path: Path) -> None:
                                       "--sweep", "run.stale_policy=drop,correct"])
     _one_line(result, "run.stale_policy: stale_policy = 'correct'")
     assert not (tmp_path / "sweep").exists()
+
+
+def test_vision_families_roll_out_where_their_images_are_served() -> None:
+    """The reference engine serves every vision family; SGLang Qwen2.5-VL alone (Qwen3-VL refused with the measured
+    reason, which names the other engine); vLLM none."""
+    from milehpc.config.families import VISION_FAMILIES
+
+    assert sorted(rules.VISION_ENGINES["reference"]) == sorted(VISION_FAMILIES)
+    rule = rules.vision_models_roll_out_on_engines_that_take_images
+    rule(job({"model": {"path": str(CORPUS / "models" / "qwen2_5_vl")}, "rollout": {"engine": "sglang"}}), FILE)
+    for family, engine, able, why in (
+            ("qwen3_vl", "sglang", "'reference'", r"CPU scheduler dies on a Qwen3-VL image prompt"),
+            ("qwen2_5_vl", "vllm", "'reference' or 'sglang'", r"vllm 0\.32\.0's Qwen2\.5-VL class fails at import")):
+        with pytest.raises(ConfigError, match=rf"rollout.engine: expected rollout.engine = {able} for a {family} "
+                                              rf"model \(images in the prompts; .*{why}.*\), got '{engine}'"):
+            rule(job({"model": {"path": str(CORPUS / "models" / family)}, "rollout": {"engine": engine}}), FILE)
 
 
 def test_megatron_takes_critic_and_teacher_estimators() -> None:

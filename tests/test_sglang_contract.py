@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -245,44 +244,18 @@ def test_contract_update_from_distributed_over_gloo(engine, model_dir):
     tensor; the engine receives through milehpc's begin_update / join_update_group / receive_bucket (SGLang's
     flattened_bucket load format, the radix cache flushed inside each request) / finish_update."""
     import torch
-
-    from milehpc.comm.net import host_store
-    from milehpc.rollout import sglang_mapping as sm
-    from milehpc.weights.sglang import join_update_group, leave_update_group
+    from sglang_real import leave_sync_group, sync_over_gloo
 
     model = hf_model(model_dir)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)
     named = [(n, t.detach().contiguous()) for n, t in model.state_dict().items()]
-    store, port = host_store("127.0.0.1", f"contract-{os.getpid()}", 2, 60.0)
-    pg_box: dict = {}
-    joiner = threading.Thread(target=lambda: pg_box.setdefault("pg", join_update_group(
-        store, world_size=2, rank=0, group_name=sm.group_name(0), backend="gloo", timeout=60.0)))
-    joiner.start()
-    engine.begin_update()
-    engine.join_update_group(master_address="127.0.0.1", master_port=port, world_size=2, stage=0, backend="gloo")
-    joiner.join(60)
-    pg = pg_box["pg"]
-    import torch.distributed as dist
-
-    buckets = [sm.flatten_bucket(b) for b in sm.buckets(named, 4096)]
-    assert len(buckets) > 2
-    for flat, meta in buckets:  # what StageSender.send does: one flat uint8 broadcast per bucket
-        def send(flat=flat) -> None:
-            opts = dist.BroadcastOptions()
-            opts.rootRank, opts.rootTensor = 0, 0
-            pg.broadcast([flat], opts).wait()
-        sender = threading.Thread(target=send)
-        sender.start()
-        engine.receive_bucket(meta, stage=0)
-        sender.join(60)
-    engine.finish_update(4)
+    pg = sync_over_gloo(engine, named, 4096, 4, "contract")
+    assert engine.last_buckets > 2
     assert engine.version == 4 and not engine._session_open
     assert_logprobs_agree(engine, model)
-    engine._call("destroy", engine._engine.destroy_weights_update_group, group_name=sm.group_name(0))
-    engine.update_groups.clear()
-    leave_update_group(pg)
+    leave_sync_group(engine, pg)
 
 
 def test_contract_flattened_bucket_layout_is_sglangs():

@@ -2,7 +2,11 @@
 byte-level BPE tokenizer with Qwen's vision special tokens and a chat template that renders image parts, a PIL
 image processor with 4-pixel patches, and a 2-block vision tower in front of a 2-layer LM, saved as a local folder
 that ``AutoProcessor`` and ``AutoModelForImageTextToText`` load. Qwen3-VL's tower also hands deepstack features
-(both its blocks') to both LM layers."""
+(both its blocks') to both LM layers.
+
+``patch=SGLANG_PATCH`` builds the same model with the real family's 14-pixel patches, the only size SGLang serves
+(sglang 0.5.23 ``srt/models/qwen2_5_vl.py`` ``get_image_feature``: patch rows that are not ``raw_patch_dim = 1176``
+= 3 x 2 x 14 x 14 wide are taken for precomputed features, not pixels)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 IMAGE_SIZE = 16  # pixels a side of the example's images: 4 x 4 patches of 4 pixels -> 2 x 2 = 4 image tokens
 PATCH, MERGE = 4, 2
+SGLANG_PATCH = 14
+# Images are resized to SIDE[patch] pixels a side: 4 x 4 patches (4 image tokens) at the example's patch; 8 x 8 at
+# SGLang's (16 image tokens, so that its windows of 2 x 2 merged patches are 4 windows, not the whole image).
+SIDE = {PATCH: IMAGE_SIZE, SGLANG_PATCH: 8 * SGLANG_PATCH}
 TEXT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 96, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
         # mrope over a 16-wide head: 8 frequencies split (t, h, w) = (2, 3, 3)
@@ -61,18 +69,18 @@ def build_tokenizer(out: Path) -> Any:
     return fast
 
 
-def build_processor(out: Path, family: str = "qwen2_5_vl") -> Any:
+def build_processor(out: Path, family: str = "qwen2_5_vl", patch: int = PATCH) -> Any:
     """Image processor + tokenizer as one processor folder of ``family`` (``AutoProcessor`` loads it)."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     tok = build_tokenizer(out)
-    side = IMAGE_SIZE * IMAGE_SIZE
-    images = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
-                                      min_pixels=side, max_pixels=side)
+    area = SIDE[patch] * SIDE[patch]
+    images = Qwen2VLImageProcessorPil(patch_size=patch, merge_size=MERGE, temporal_patch_size=2,
+                                      min_pixels=area, max_pixels=area)
     # The processor class requires a video processor (videos are not used here).
-    videos = Qwen2VLVideoProcessor(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2)
+    videos = Qwen2VLVideoProcessor(patch_size=patch, merge_size=MERGE, temporal_patch_size=2)
     # Qwen3-VL-MoE ships no processor of its own: its checkpoints name Qwen3-VL's.
     name = "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen3VLProcessor"
     proc = getattr(transformers, name)(image_processor=images, tokenizer=tok, video_processor=videos,
@@ -81,10 +89,13 @@ def build_processor(out: Path, family: str = "qwen2_5_vl") -> Any:
     return proc
 
 
-def tiny_vl_config(tokenizer: Any, family: str = "qwen2_5_vl", **text: Any) -> Any:
+def tiny_vl_config(tokenizer: Any, family: str = "qwen2_5_vl", patch: int = PATCH, **text: Any) -> Any:
     import transformers
 
     prefix, text_base, vision = FAMILY[family]
+    if patch != PATCH:  # Qwen2.5-VL's windows stay 2 x 2 merged patches wide (window_size is in pixels)
+        vision = {**vision, "patch_size": patch,
+                  **({"window_size": vision["window_size"] * patch // PATCH} if "window_size" in vision else {})}
     ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in zip(
         ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION, strict=True)}
     text_cfg = {**text_base, **text, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
@@ -92,18 +103,19 @@ def tiny_vl_config(tokenizer: Any, family: str = "qwen2_5_vl", **text: Any) -> A
     return getattr(transformers, f"{prefix}Config")(text_config=text_cfg, vision_config=vision, **ids)
 
 
-def save_tiny_vl(folder: str | Path, *, family: str = "qwen2_5_vl", seed: int = 0, **text: Any) -> Any:
-    """A random tiny model of ``family`` (a key of FAMILY) and its processor saved in ``folder`` (what
-    ``model.path`` and ``model.tokenizer`` load); returns the model."""
+def save_tiny_vl(folder: str | Path, *, family: str = "qwen2_5_vl", seed: int = 0, patch: int = PATCH,
+                 **text: Any) -> Any:
+    """A random tiny model of ``family`` (a key of FAMILY) with ``patch``-pixel patches (a key of SIDE) and its
+    processor saved in ``folder`` (what ``model.path`` and ``model.tokenizer`` load); returns the model."""
     import torch
     import transformers
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    proc = build_processor(folder, family)
+    proc = build_processor(folder, family, patch)
     torch.manual_seed(seed)
     cls = getattr(transformers, f"{FAMILY[family][0]}ForConditionalGeneration")
-    model = cls(tiny_vl_config(proc.tokenizer, family, **text)).eval()
+    model = cls(tiny_vl_config(proc.tokenizer, family, patch, **text)).eval()
     # N(0, 0.1) weights (norms around 1), as tests/family_models.py: transformers' 0.02 init leaves attention near
     # uniform, where a wrong position or a misplaced image feature hardly changes a logprob.
     with torch.no_grad():

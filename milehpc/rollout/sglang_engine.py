@@ -28,6 +28,15 @@ Weight sync (the trainer is the source):
 * **colocated**: ``update_weights_from_tensor`` per bucket (CUDA IPC handles, no copy through NCCL), driven by
   :mod:`milehpc.runtime.offload` in Miles' order.
 
+Image prompts (a vision-language model, :class:`Vision`): each request carries its images as SGLang's
+``processor_output`` item (patch rows and grids from milehpc's own pixel cache, :func:`milehpc.data.images.pixels`,
+the reference engine's and the trainer's pixels) beside the ids milehpc widened to one image token per merged
+patch, so SGLang runs no processor of its own. Weights go under the names SGLang's class loads
+(:func:`milehpc.rollout.sglang_mapping.engine_name`); with ``model.freeze_vision`` the trainer sends the language
+model alone. SGLang keeps the vision tower's outputs per image (``SGLANG_VLM_CACHE_SIZE_MB``, keyed by the pixels'
+hash) across weight updates, so an engine whose vision tower is trained starts with that cache off: an image seen
+before an update would otherwise keep its old features.
+
 Generation is never interrupted by an update: ``generate`` and the update methods share one lock, so an update
 waits for the running batch (the in-process ``Engine.generate`` is synchronous); :meth:`abort` (thread-safe) cuts a
 running batch short for partial rollouts (SGLang ``TokenizerManager.abort_request(abort_all=True)``), the cut
@@ -48,6 +57,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +85,20 @@ sglang_cpu_memory.apply_if_asked()
 # them off: the start-up hook scripts/setup-sglang-cpu.sh installs (scripts/sglang_cpu_hook.py) reads this in the
 # scheduler, which then takes the plain-torch path of CPUs without AMX.
 AMX_OFF_ENV = "MILEHPC_SGLANG_CPU_NO_AMX"
+
+# sglang's cache of vision-tower outputs per image (srt/environ.py; srt/managers/mm_schedule.py), never cleared by a
+# weight update: 0 turns it off (every image's features are computed afresh, once per batch).
+VLM_CACHE_ENV = "SGLANG_VLM_CACHE_SIZE_MB"
+
+
+@dataclass(frozen=True)
+class Vision:
+    """A vision-language engine's image side."""
+
+    folder: str  # the processor folder its images' pixels come from (model.tokenizer)
+    model_type: str  # the family (the weight names SGLang's class loads)
+    frozen: bool = False  # model.freeze_vision: the vision tower is never synced
+
 
 ENGINE_PORT_BASE = 30000  # + engine index * 16; never served (the Engine API is in-process) but must be free
 
@@ -251,7 +275,7 @@ class SGLangEngine:
     def __init__(self, job: Any, server_args: dict[str, Any], opts: SGLangOptions, *, engine: int = 0,
                  engine_rank: int = 0, eos_id: int | None = None, moe_shape: tuple[int, int] | None = None,
                  colocated: bool = False, version: int = 0, engine_factory: Any = None, gather: Any = None,
-                 lora: LoraSpec | None = None) -> None:
+                 lora: LoraSpec | None = None, vision: Vision | None = None) -> None:
         self.job = job
         self._factory = engine_factory  # None = sglang.Engine (tests pass a stand-in: no GPU here)
         self.server_args = dict(server_args)
@@ -286,6 +310,7 @@ class SGLangEngine:
         self.adapter_names: dict[str | None, str] = {}
         self.adapters: dict[str | None, dict[str, Any]] = {}
         self._adapter_loads = 0  # loads so far: part of each adapter's name, never reused
+        self.vision = vision
         self._start()
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -320,14 +345,19 @@ class SGLangEngine:
         # scheduler unpickles the handler, so it imports this module: that import applies unpin_if_asked there.)
         args = {**self.server_args, "custom_sigquit_handler": sigquit_handler}
         _LIVE.add(self)
+        vlm_cache = os.environ.get(VLM_CACHE_ENV)
+        if self.vision is not None and not self.vision.frozen:
+            os.environ[VLM_CACHE_ENV] = "0"  # read by the scheduler: see VLM_CACHE_ENV
         try:
             self._engine = _launch(factory, args, self.engine_index, before)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"SGLang refused the engine arguments: {err}", field="rollout.options") from err
         finally:
             # The scheduler has read them; no later child inherits them.
-            for name in (sglang_lora.UNPIN_ENV, AMX_OFF_ENV, sglang_cpu_memory.MEMORY_ENV):
+            for name in (sglang_lora.UNPIN_ENV, AMX_OFF_ENV, sglang_cpu_memory.MEMORY_ENV, VLM_CACHE_ENV):
                 os.environ.pop(name, None)
+            if vlm_cache is not None:  # the user's own setting stays
+                os.environ[VLM_CACHE_ENV] = vlm_cache
         _report_instead_of_kill(self._engine)
         self._pids = _children() - before
         self._dead_reason = None
@@ -441,7 +471,8 @@ class SGLangEngine:
                                      seeded=bool(self.server_args.get("enable_deterministic_inference")))
         if not requests:
             return []
-        kwargs = sm.generate_kwargs(requests, return_routed_experts=self.moe_shape is not None)
+        kwargs = sm.generate_kwargs(requests, return_routed_experts=self.moe_shape is not None,
+                                    images=self._image_items() if self.vision is not None else None)
         with self._lock:
             for attempt in (0, 1):  # a LoRA engine that dies during the call comes back and answers it once more
                 if self._self_restarts():  # died since it last served: back with its adapters, at its version
@@ -471,6 +502,24 @@ class SGLangEngine:
             self.kill_scheduler()
         self.batches += 1
         return out
+
+    def _image_items(self) -> Any:
+        """A request's image references -> its ``processor_output`` item, one per distinct list of images (a
+        prompt's ``n`` requests share it)."""
+        from milehpc.data.images import pixels
+
+        folder, made = self.vision.folder, {}
+
+        def item(refs: list[str]) -> dict[str, Any]:
+            key = tuple(refs)
+            if key not in made:
+                made[key] = sm.processor_output([pixels(folder, ref) for ref in refs])
+            return made[key]
+        return item
+
+    def _engine_name(self, name: str) -> str:
+        """The name SGLang's model class loads ``name`` (the trainer's) under."""
+        return sm.engine_name(name, self.vision.model_type if self.vision is not None else None)
 
     def _lora_paths(self, requests: list[sm.Request], sampling: SamplingParams) -> list[str | None] | None:
         """Each request's ``lora_path``: the loaded name of its prompt's adapter (multi-LoRA: every adapter in the one
@@ -560,7 +609,7 @@ class SGLangEngine:
                 if self.is_leader:
                     self._begin_session()
                 for bucket in sm.buckets(named_tensors, bucket_bytes):
-                    payloads = self._gather_payloads(bucket, tp)
+                    payloads = self._gather_payloads([(self._engine_name(n), t) for n, t in bucket], tp)
                     if self.is_leader:
                         self._request("update_weights_from_tensor", "UpdateWeightsFromTensorReqInput",
                                       "update_weights_from_tensor", serialized_named_tensors=payloads,
@@ -683,8 +732,9 @@ class SGLangEngine:
                 # device (what the separate flush_cache call did); on the CPU that clean-up is a full gc.collect()
                 # in the scheduler, most of a sync's time, so it is left out there.
                 self._request("update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
-                              "update_weights_from_distributed", names=meta["names"], dtypes=meta["dtypes"],
-                              shapes=meta["shapes"], group_name=self._stage_group.get(stage, sm.group_name(stage)),
+                              "update_weights_from_distributed", names=[self._engine_name(n) for n in meta["names"]],
+                              dtypes=meta["dtypes"], shapes=meta["shapes"],
+                              group_name=self._stage_group.get(stage, sm.group_name(stage)),
                               load_format=sm.FLATTENED_BUCKET, flush_cache=True,
                               torch_empty_cache=self.server_args.get("device") != "cpu", selector=self.selector)
             except BaseException:
@@ -743,7 +793,7 @@ class SGLangEngine:
                 yield from sglang_lora.sync_names(adapter, self.adapters.get(adapter, {}))
             return
         for name in self._last_names:
-            values = self._call("get_weights_by_name", self._engine.get_weights_by_name, name,
+            values = self._call("get_weights_by_name", self._engine.get_weights_by_name, self._engine_name(name),
                                 truncate_size=self.opts.check_weights_truncate)
             if values is None:
                 # Models without get_weights_by_name (every Qwen class in sglang 0.5.23: model_runner_components/
@@ -893,6 +943,7 @@ def from_context(ctx: Any, *, engine_factory: Any = None) -> SGLangEngine:
         raise ConfigError(f"expected a local folder, got {opts.spec.draft_model_path!r}",
                           field="rollout.options.speculative.draft_model_path")
     moe = (job.model.num_layers, job.model.moe_top_k) if job.model.num_experts else None
+    vision = vision_of(job, tokenizer)
     gather = None
     if job.resources.colocate and layout.gpus_per_engine > 1:
         leader = ctx.plan.engine_leaders()[layout.engine]
@@ -903,4 +954,16 @@ def from_context(ctx: Any, *, engine_factory: Any = None) -> SGLangEngine:
     return SGLangEngine(job, args, opts, engine=layout.engine, engine_rank=layout.engine_rank,
                         eos_id=int(tokenizer.eos_id), moe_shape=moe, colocated=job.resources.colocate,
                         version=-1 if random_init else 0, engine_factory=engine_factory, gather=gather,
-                        lora=job.trainer.lora)
+                        lora=job.trainer.lora, vision=vision)
+
+
+def vision_of(job: Any, tokenizer: Any) -> Vision | None:
+    """The image side of the job's model when it is a vision-language checkpoint (None for a text model)."""
+    from milehpc.config.families import VISION_FAMILIES, folder_model_type
+
+    model_type = folder_model_type(job.model.path) if job.model.path else None
+    if model_type not in VISION_FAMILIES:
+        return None
+    from milehpc.data.images import tokenizer_folder
+
+    return Vision(folder=tokenizer_folder(tokenizer), model_type=str(model_type), frozen=job.model.freeze_vision)

@@ -31,6 +31,13 @@ facts written down in ``tests/test_sglang_mapping.py``. The facts come from thes
 * sglang 0.5.23 ``srt/model_executor/model_runner_components/weight_updater.py`` —
   ``update_weights_from_distributed(..., load_format="flattened_bucket")`` receives one uint8 broadcast from rank 0
   per call, laid out by ``FlattenedTensorBucket.empty(names, dtypes, shapes)`` (:func:`flatten_bucket`).
+* sglang 0.5.23 image prompts (:func:`processor_output`, :func:`engine_name`): ``Engine.generate(image_data=...)``
+  takes per request a list holding one ``{"format": "processor_output", ...}`` dict (``managers/io_struct.py``
+  ``_normalize_image_data``; ``multimodal/processors/base_processor.py`` ``_validate_one_modality`` refuses more
+  than one per request); ``multimodal/processors/qwen_vl.py`` takes the ids as given when they already hold one
+  image token per merged patch, splits the item per image by ``image_grid_thw`` and derives the 3-D positions from
+  the image tokens' places; ``models/qwen2_5_vl.py`` names its parameters as the original checkpoints
+  (``model.layers.*``, ``visual.*``, ``lm_head.*``) and its ``load_weights`` skips any other name silently.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from milehpc.config.sglang_options import (
     SGLangOptions,
 )
+from milehpc.data.images import IMAGES_KEY
 from milehpc.errors import ConfigError, RuntimeFailure
 from milehpc.samples import Sample, Status
 
@@ -153,6 +161,7 @@ class Request:
     prefix_loss_mask: list[int] = field(default_factory=list)
     weight_version: int | None = None  # version that generated the prefix's first token
     source: Sample | None = None
+    images: list[str] = field(default_factory=list)  # references of the images the prompt shows (in order)
 
 
 def sampling_params(sp: SamplingParams, *, max_new_tokens: int | None = None, seed: int | None = None) -> dict[str, Any]:
@@ -199,7 +208,8 @@ def build_requests(prompts: Sequence[Sequence[int]], sp: SamplingParams,
                                                 seed=None if sp.seed is None else sp.seed + s.index),
                 prompt_ids=list(s.prompt_ids), group=s.group, index=s.index,
                 prefix_ids=list(s.response_ids), prefix_logprobs=list(s.rollout_logprobs),
-                prefix_loss_mask=list(s.loss_mask), weight_version=s.weight_version, source=s))
+                prefix_loss_mask=list(s.loss_mask), weight_version=s.weight_version, source=s,
+                images=list(s.metadata.get(IMAGES_KEY) or [])))
         return requests
     for g, prompt in enumerate(prompts):
         for k in range(sp.n):
@@ -207,12 +217,16 @@ def build_requests(prompts: Sequence[Sequence[int]], sp: SamplingParams,
             requests.append(Request(
                 input_ids=list(prompt), prompt_ids=list(prompt), group=g, index=index,
                 # Distinct seeds per sample: the same seed for all n would give n identical responses.
-                sampling_params=sampling_params(sp, seed=None if sp.seed is None else sp.seed + index)))
+                sampling_params=sampling_params(sp, seed=None if sp.seed is None else sp.seed + index),
+                images=list(sp.images[g]) if sp.images is not None else []))
     return requests
 
 
-def generate_kwargs(requests: Sequence[Request], *, return_routed_experts: bool = False) -> dict[str, Any]:
-    """Keyword arguments for ``sglang.Engine.generate`` for a batch of requests (token ids in, logprobs out)."""
+def generate_kwargs(requests: Sequence[Request], *, return_routed_experts: bool = False,
+                    images: Callable[[list[str]], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``sglang.Engine.generate`` for a batch of requests (token ids in, logprobs out).
+    ``images``: a request's image references -> its ``processor_output`` item (:func:`processor_output`); needed
+    when a request shows images."""
     kwargs: dict[str, Any] = {
         "input_ids": [r.input_ids for r in requests],
         "sampling_params": [r.sampling_params for r in requests],
@@ -220,9 +234,41 @@ def generate_kwargs(requests: Sequence[Request], *, return_routed_experts: bool 
         # recomputed by the trainer anyway.
         "return_logprob": True,
     }
+    if any(r.images for r in requests):
+        if images is None:
+            raise RuntimeFailure("prompts with images reached an SGLang engine whose model takes none")
+        # One list per request (SGLang's list-of-lists form): the request's one processor_output item, or none.
+        kwargs["image_data"] = [[images(r.images)] if r.images else [] for r in requests]
     if return_routed_experts:
         kwargs["return_routed_experts"] = True
     return kwargs
+
+
+def processor_output(shown: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """One request's images (each its patch rows and grid (t, h, w), :func:`milehpc.data.images.pixels`) as SGLang's
+    ``processor_output`` image item: the patch rows of all of them back to back and their grids [N, 3], what the HF
+    processor returns for the prompt. SGLang splits the rows per image by the grids and places each image at its run
+    of image tokens in the request's ids, which milehpc has already widened to one per merged patch."""
+    import torch
+
+    return {"format": "processor_output", "pixel_values": torch.cat([p for p, _ in shown]),
+            "image_grid_thw": torch.stack([g.reshape(3) for _, g in shown])}
+
+
+# The names SGLang's model class of a family loads, from transformers 5's (the trainer's): its load_weights drops any
+# other name without a word, so an unmapped tensor would simply not arrive (README's VL section).
+_ENGINE_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
+}
+
+
+def engine_name(name: str, model_type: str | None) -> str:
+    """A weight's name in transformers 5's model (what the trainer syncs) -> the name SGLang's class for
+    ``model_type`` loads (unchanged for the text families, whose names are the checkpoints')."""
+    for old, new in _ENGINE_PREFIXES.get(model_type or "", ()):
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    return name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,6 +331,8 @@ def to_sample(output: dict[str, Any], request: Request, *, weight_version: int,
     if request.source is not None:
         src = request.source
         sample.label, sample.prompt_text, sample.metadata = src.label, src.prompt_text, dict(src.metadata)
+    elif request.images:  # as the reference engine: a continuation finds the images it shows here
+        sample.metadata[IMAGES_KEY] = list(request.images)
     if request.prefix_ids:
         # Which policy versions produced the tokens (partial rollouts span a weight update).
         sample.metadata.setdefault("version_spans", []).append([len(request.prefix_ids), weight_version])
