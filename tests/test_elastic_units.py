@@ -124,6 +124,8 @@ def _job(tmp_path: Path, rollout: str = "", rest: str = "") -> Path:
     ("partial_rollout = true\n", "", "rollout.partial_rollout"),
     ("dynamic_filter = true\n", "", "rollout.dynamic_filter"),
     ("", "[run]\neval_every = 2\n", "run.eval_every"),
+    ('engine = "reference_process"\n', "", "rollout.engine"),
+    ('engine = "vllm"\n', "", "rollout.engine"),  # not run elastic yet
 ])
 def test_what_elastic_rollout_cannot_do_is_one_line(tmp_path: Path, rollout: str, rest: str, field: str) -> None:
     job = _job(tmp_path, rollout, rest)
@@ -131,6 +133,37 @@ def test_what_elastic_rollout_cannot_do_is_one_line(tmp_path: Path, rollout: str
         prepare(str(job), "local-multinode", (), run_dir=str(tmp_path / "run"))
     msg = str(info.value)
     assert msg.startswith(f"{job}: {field}: expected ") and "with resources.elastic_rollout = true, got" in msg, msg
+
+
+@pytest.mark.parametrize("engine", ["reference", "sglang"])
+def test_elastic_rollout_takes_the_engines_with_their_own_weight_path(tmp_path: Path, engine: str) -> None:
+    """SGLang engines join over the channel too (their schedulers take the buckets themselves:
+    tests/test_elastic_engines.py runs one)."""
+    from milehpc.config.load import job_from_dict, read_toml
+    from milehpc.config.rules import elastic_rollout_fits_the_loop
+
+    job = job_from_dict(read_toml(_job(tmp_path, f'engine = "{engine}"\n')))
+    elastic_rollout_fits_the_loop(job, "job.toml")  # no ConfigError
+
+
+def test_weight_buckets_are_copies_that_unflatten_to_the_tensors(tmp_path: Path) -> None:
+    """The trainer keeps the last weights for engines that join later: buckets of copies (the optimizer changes
+    the parameters in place), in SGLang's flattened layout, cut back into the same tensors on the engine's side."""
+    import torch
+
+    from milehpc.runtime.elastic import weights as ew
+
+    named = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(4)),
+             ("d", torch.randn(40))]
+    buckets = ew.pack(iter(named), bucket_bytes=110)  # a, b, c (106 bytes) in one bucket; d (160) alone
+    assert [m["names"] for m, _ in buckets] == [["c", "a", "b"], ["d"]]  # widest dtype first within a bucket
+    want = {n: t.clone() for n, t in named}
+    for _, t in named:
+        t.zero_()  # an optimizer step after the push
+    got = {n: t for meta, flat in buckets for n, t in ew.unflatten(meta, flat)}
+    assert [ew.bucket_bytes(m) for m, _ in buckets] == [flat.numel() for _, flat in buckets]
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) and got[n].dtype == want[n].dtype
+                                             for n in want)
 
 
 def test_elastic_rollout_has_no_reward_model_group(tmp_path: Path) -> None:

@@ -95,11 +95,18 @@ def partial_rollouts_keep_their_stale_samples(job: JobSpec, file: str | None) ->
                           f"false, got 'drop'", file=file, field="run.stale_policy")
 
 
+# Engines an elastic engine process has run (runtime.elastic: the plugin's factory in a world of one, weights by a
+# group of two; tests/test_elastic_engines.py). "reference_process" supervises a child in place, which an elastic
+# engine leaves to the trainer; vLLM's factory and update path are the same calls but have not run elastic yet.
+ELASTIC_ENGINES = ("reference", "sglang")
+
+
 def elastic_rollout_fits_the_loop(job: JobSpec, file: str | None) -> None:
     """resources.elastic_rollout × the loop: trainer rank 0 hands out each step's prompts one by one (the
     runtime.elastic package) and any engine may generate any of them, with a seed of the prompt's own. What that
     needs: separate groups, the sync loop, one prompt in -> one group out (no over-sampling, dynamic filter, partial
-    rollouts or generator), weights through the trainer's broadcast (the reference engine) and one pipeline stage.
+    rollouts or generator), an engine of one process (reference, or SGLang taking the weights through its own update
+    path: runtime.elastic.weights) and one pipeline stage.
     spare_nodes: only an elastic job starts engines on them."""
     res, ro = job.resources, job.rollout
     if not res.elastic_rollout:
@@ -110,8 +117,7 @@ def elastic_rollout_fits_the_loop(job: JobSpec, file: str | None) -> None:
     checks = [
         ("resources.colocate", not res.colocate, "false (colocated ranks are both trainer and engine)", "true"),
         ("run.loop", job.run.loop == "sync", "'sync'", repr(job.run.loop)),
-        ("rollout.engine", ro.engine == "reference", "'reference' (its weights come through the trainer's broadcast)",
-         repr(ro.engine)),
+        ("rollout.engine", ro.engine in ELASTIC_ENGINES, " or ".join(map(repr, ELASTIC_ENGINES)), repr(ro.engine)),
         ("rollout.gpus_per_engine", ro.gpus_per_engine == 1, "1 (one process per engine)", str(ro.gpus_per_engine)),
         ("rollout.partial_rollout", not ro.partial_rollout, "false (a prompt is generated whole by one engine)",
          "true"),
@@ -271,33 +277,39 @@ def model_family_is_supported(job: JobSpec, file: str | None) -> None:
             check_megatron_family(model_type, file=file)
 
 
-# Engines that take image prompts. Why the others are refused, as measured here (README's VL section): sglang 0.5.23's
-# CPU engine does serve Qwen2.5-VL (first-token logprobs = transformers' within 5e-7 in float32, 14-pixel patches), but
-# milehpc's adapters send token ids alone and sync no vision tower; vllm 0.32.0's Qwen2.5-VL class does not import
-# in its environment (torchvision missing).
-VISION_ENGINES = ("reference",)
+# The engines that take image prompts and the vision families each serves. Why the others are refused, as measured
+# here (README's VL section): sglang 0.5.23's CPU engine serves Qwen2.5-VL (logprobs = transformers' within 5e-7 in
+# float32, 14-pixel patches) but its scheduler dies on a Qwen3-VL image prompt; vllm 0.32.0's Qwen2.5-VL class does
+# not import in its environment (torchvision missing).
+VISION_ENGINES: dict[str, tuple[str, ...]] = {
+    "reference": ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),  # every vision family (a test keeps them equal)
+    "sglang": ("qwen2_5_vl",),
+}
+_SGLANG_QWEN3_VL = ("sglang 0.5.23's CPU scheduler dies on a Qwen3-VL image prompt (srt/managers/mm_schedule.py:428, "
+                    "measured; cause not found)")
 VISION_REFUSALS = {
-    "sglang": "sglang 0.5.23's CPU path serves Qwen2.5-VL, but milehpc's sglang adapter does not yet pass the images "
-              "(image_data) nor sync the vision tower",
+    ("sglang", "qwen3_vl"): _SGLANG_QWEN3_VL,
+    ("sglang", "qwen3_vl_moe"): _SGLANG_QWEN3_VL,
     "vllm": "vllm 0.32.0's Qwen2.5-VL class fails at import (vllm/model_executor/models/qwen2_vl.py imports "
             "transformers' Qwen2-VL image processor, which needs torchvision, absent from the vllm environment), and "
             "milehpc's vllm adapter sends token ids alone (no multi_modal_data) and syncs no vision tower",
 }
 
 
-def vision_models_roll_out_on_the_reference_engine(job: JobSpec, file: str | None) -> None:
+def vision_models_roll_out_on_engines_that_take_images(job: JobSpec, file: str | None) -> None:
     """model.path × rollout.engine × rollout.generator × trainer.dp × model.freeze_vision: a vision-language
-    checkpoint (milehpc.config.families VISION_FAMILIES) rolls out on the reference engine, which feeds the images
-    through the model, with no generator, on one trainer rank (the Megatron trainer is refused by
+    checkpoint (milehpc.config.families VISION_FAMILIES) rolls out on an engine that feeds its family's images
+    through the model (VISION_ENGINES), with no generator, on one trainer rank (the Megatron trainer is refused by
     model_family_is_supported); freeze_vision needs such a model."""
     from milehpc.config.families import VISION_FAMILIES, folder_model_type
 
     model_type = folder_model_type(job.model.path) if job.model.path else None
-    if model_type in VISION_FAMILIES and job.rollout.engine not in VISION_ENGINES:
-        why = VISION_REFUSALS.get(job.rollout.engine, "it takes no images")
-        raise ConfigError(f"expected rollout.engine = {' or '.join(map(repr, VISION_ENGINES))} for a vision-language "
-                          f"model ({model_type}: images in the prompts; {why}), got {job.rollout.engine!r}",
-                          file=file, field="rollout.engine")
+    engine = job.rollout.engine
+    if model_type in VISION_FAMILIES and model_type not in VISION_ENGINES.get(engine, ()):
+        why = VISION_REFUSALS.get((engine, model_type)) or VISION_REFUSALS.get(engine, "it takes no images")
+        able = [name for name, families in VISION_ENGINES.items() if model_type in families]
+        raise ConfigError(f"expected rollout.engine = {' or '.join(map(repr, able))} for a {model_type} model "
+                          f"(images in the prompts; {why}), got {engine!r}", file=file, field="rollout.engine")
     if model_type in VISION_FAMILIES and job.rollout.generator:
         # A generator (multi-turn, tools, agents) re-renders its history as text and token ids: the image parts and
         # their pixels would be lost after the first turn.
@@ -663,7 +675,7 @@ RULES: tuple[Rule, ...] = (
     task_params_fit_the_task, reward_params_fit_the_reward, algorithm_params_fit_the_plugins,
     overlong_buffer_fits_the_response, colocated_runs_sync, stale_samples_need_a_correction, partial_rollouts_keep_their_stale_samples,
     partial_rollouts_need_the_builtin_generation, elastic_rollout_fits_the_loop,
-    model_family_is_supported, vision_models_roll_out_on_the_reference_engine, random_moe_has_an_moe_family, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
+    model_family_is_supported, vision_models_roll_out_on_engines_that_take_images, random_moe_has_an_moe_family, torch_trainer_has_no_fp8, reduced_precision_needs_bfloat16_weights,
     megatron_kl_reference_is_the_initial_policy, megatron_moe_needs_tp_1,
     megatron_ep_divides_the_experts, mini_batches_divide_the_batch, megatron_features_fit_the_layout,
     fsdp_trains_the_policy_alone, distillation_needs_a_teacher,
@@ -742,15 +754,20 @@ def engine_is_in_the_container(job: JobSpec, partition: Partition, file: str | N
     """rollout.engine × the partition's containers.RUNTIME.engines (the job runs in an image): an engine the site's
     image does not hold fails on the node, at the first import, after the job has queued. A site that declares no
     list is not checked; a job that brings an image with other engines restates the list in its [site] table."""
+    from milehpc.config.job import named_rewards
+    from milehpc.config.reward_model import judge_engines
+
     runtime = job.container.runtime
     platform = partition.containers.get(runtime)
     if not job.container.image or platform is None or not platform.engines:
         return
-    if job.rollout.engine not in platform.engines:
-        raise ConfigError(f"expected an engine the site's {runtime} image has (site field containers.{runtime}.engines "
-                          f"= {', '.join(platform.engines)}; an image with other engines: restate the list in the "
-                          f"job's [site.containers.{runtime}] engines), got {job.rollout.engine!r}", file=file,
-                          field="rollout.engine")
+    # A generative judge's engine too (issue 35: it runs in the same image, on the reward or rollout ranks).
+    for field, engine in [("rollout.engine", job.rollout.engine), *judge_engines(named_rewards(job.reward))]:
+        if engine not in platform.engines:
+            raise ConfigError(f"expected an engine the site's {runtime} image has (site field containers.{runtime}."
+                              f"engines = {', '.join(platform.engines)}; an image with other engines: restate the "
+                              f"list in the job's [site.containers.{runtime}] engines), got {engine!r}", file=file,
+                              field=field)
 
 
 def time_fits_the_partition(job: JobSpec, partition: Partition, file: str | None) -> None:

@@ -6,7 +6,9 @@ independent. So the job script starts the trainer ranks as one srun step (their 
 node's engines as a step of their own, one process per engine, no MPI between them
 (:func:`milehpc.runtime.elastic.engine.run_engine`). Every engine joins trainer rank 0 over an authenticated TCP
 channel (:mod:`milehpc.comm.channel`; the secret is a file of the private run directory) and a weight-sync group of
-its own (gloo, the trainer's TCPStore, a fresh prefix per join: :mod:`.weights`).
+its own (the trainer's TCPStore, a fresh name per join), into which the weights go by the engine's own update path
+(SGLang's schedulers take the buckets themselves: :mod:`.weights`). Each engine is built by the job's
+engine plugin, as a rollout rank's is (:mod:`.seat`).
 
 Each step trainer rank 0 hands the step's prompt indices out to the live engines (:mod:`.hub`,
 :class:`~milehpc.runtime.elastic.trainer.ElasticTrainer`); an engine returns one group per prompt, sampled with a
@@ -23,6 +25,7 @@ ADDRESS_FILE = ".milehpc/elastic.json"  # trainer rank 0's channel and store add
 LOST_FILE = ".milehpc/elastic-lost"  # a line per lost engine: its host (the job script starts a spare)
 SECRET_FILE = "elastic.secret"  # in RUN_DIR/.milehpc, mode 0600
 HEARTBEAT_S = 1.0
+ENGINE_KEY = "elastic_engine"  # a sample's metadata: the id of the engine that generated it
 
 
 def prompt_seed(seed: int, index: int) -> int:

@@ -1,6 +1,8 @@
 """One elastic engine: a process of a rollout node's job step (no MPI), joining trainer rank 0 over TCP (see the
-package docstring and :mod:`.hub` for the messages). It builds its engine, finds the trainer's address in the run
-directory, proves it holds the job's secret, joins a weight-sync group when told, and generates the prompts it is
+package docstring and :mod:`.hub` for the messages). It builds its engine through the job's engine plugin (the
+factory the rollout ranks use, :mod:`.seat` gives it the context it reads), finds the trainer's address in the run
+directory, proves it holds the job's secret, joins a weight-update group of two when told (the engine's own update
+path: SGLang's schedulers take the buckets themselves, :mod:`.weights`), and generates the prompts it is
 given, one group per prompt, each from the prompt's own seed."""
 
 from __future__ import annotations
@@ -10,12 +12,12 @@ import os
 import socket
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from milehpc.errors import RuntimeFailure
-from milehpc.runtime.elastic import ADDRESS_FILE, HEARTBEAT_S, SECRET_FILE, prompt_seed
+from milehpc.faults import maybe_fail
+from milehpc.runtime.elastic import ADDRESS_FILE, ENGINE_KEY, HEARTBEAT_S, SECRET_FILE, prompt_seed
 
 
 def trainer_address(run_dir: Path, timeout: float) -> dict[str, Any]:
@@ -46,30 +48,26 @@ def _heartbeat(conn: Any, stop: threading.Event) -> None:
 
 def run_engine(run_dir: str | os.PathLike[str], engine_id: int) -> None:
     """Serve the trainer until it says stop; raises :class:`RuntimeFailure` when it is gone."""
-    import torch
-    from torch.distributed import TCPStore
-
     from milehpc.comm.channel import connect
     from milehpc.rollout.endpoint_auth import job_token
-    from milehpc.rollout.reference import build_engine
-    from milehpc.runtime.elastic import weights as ew
+    from milehpc.runtime.elastic.seat import build_engine
+    from milehpc.runtime.elastic.weights import Receiver
     from milehpc.runtime.loop.rollout_side import RolloutSide
     from milehpc.runtime.run_files import load_run_dir
 
     rdir = Path(run_dir)
-    job, _, _ = load_run_dir(rdir)
+    job, plan, partition = load_run_dir(rdir)
     timeout = float(job.resources.collective_timeout_s)
-    engine = build_engine(job, rank=engine_id)
+    engine = build_engine(job, plan, partition, rdir, engine_id)
     # engine_index only decides who prints the data summary (once: engine 0)
     side = RolloutSide(job, engine, engine_index=min(engine_id, 1), num_engines=2, file=str(rdir / "job.toml"))
+    receiver = Receiver(job, side, engine_id, timeout)
     where = trainer_address(rdir, job.resources.startup_timeout_s)
     conn = connect(where["address"], int(where["port"]), job_token(rdir / ".milehpc", name=SECRET_FILE), timeout)
     conn.sock.settimeout(timeout)  # the trainer's heartbeat comes every second: silence this long means it is gone
     stop = threading.Event()
     conn.send(("hello", engine_id, socket.gethostname()))
     threading.Thread(target=_heartbeat, args=(conn, stop), daemon=True).start()
-    store: Any = None
-    group: Any = None
     try:
         while True:
             try:
@@ -85,19 +83,20 @@ def run_engine(run_dir: str | os.PathLike[str], engine_id: int) -> None:
             if kind == "stop":
                 return
             if kind == "group":
-                if store is None:
-                    store = TCPStore(where["address"], int(where["store_port"]), 1, False, timedelta(seconds=timeout))
-                group = ew.make_group(store, msg[1], 1, timeout)
+                receiver.join(*msg[1:])
             elif kind == "weights":
-                _, version, meta = msg
-                buf = torch.empty(sum(m[3] for m in meta), dtype=torch.uint8)
-                ew.wait(ew.start_broadcast(group, buf), timeout, f"engine {engine_id}: weights {version}")
-                side.update_weights(ew.unpack(meta, buf), version)
+                receiver.receive(*msg[1:])
             elif kind == "work":
                 _, step, indices = msg
+                maybe_fail("generate", step)  # MILEHPC_FAULT=generate:STEP: this engine dies as its node would
                 for index in indices:
                     group_out, stats = side.generate_one(side.source.peek(index), prompt_seed(job.run.seed, index))
+                    for s in group_out:  # which engine made it (the rollout dumps keep it)
+                        s.metadata[ENGINE_KEY] = engine_id
                     conn.send(("result", step, index, group_out, stats))
     finally:
         stop.set()
         conn.close()
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:  # an SGLang/vLLM engine's processes end with it
+            shutdown()

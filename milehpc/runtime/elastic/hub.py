@@ -3,9 +3,10 @@
 engine lost when its connection drops or nothing (not even a heartbeat) came from it for ``timeout`` seconds.
 
 Messages, engine -> trainer: ``("hello", engine, host)`` first, ``("hb",)`` every :data:`~milehpc.runtime.elastic
-.HEARTBEAT_S`, ``("result", step, index, groups, stats)`` per prompt; trainer -> engine: ``("group", prefix)``
-(join the weight-sync group), ``("weights", version, meta)`` (a broadcast follows on that group), ``("work", step,
-[index, ...])``, ``("hb",)`` every second (an engine that hears nothing for the timeout ends), ``("stop",)``.
+.HEARTBEAT_S`, ``("result", step, index, groups, stats)`` per prompt; trainer -> engine: ``("group", address, port,
+name, backend)`` (join the weight-update group ``name`` at the trainer's store), ``("weights", version, metas)`` (one
+broadcast per bucket follows on that group, :mod:`.weights`), ``("work", step, [index, ...])``, ``("hb",)`` every
+second (an engine that hears nothing for the timeout ends), ``("stop",)``.
 """
 
 from __future__ import annotations

@@ -34,15 +34,21 @@ class ElasticTrainer(SeparateTrainer):
     def __init__(self, ctx: RunContext, trainer: Trainer, checkpointing: LoopCheckpoint, *, progress: bool) -> None:
         super().__init__(ctx, trainer, checkpointing, progress=progress)
         self.leaders, self.rollout_ranks = [], []  # no rollout rank in this world: the engines come over TCP
-        self.latest: tuple[int, ew.Meta, Any] | None = None  # the last weights sent: what a joining engine gets
+        self.latest: tuple[int, ew.Buckets] | None = None  # the last weights sent: what a joining engine gets
         self.hub: Hub | None = None
         self.store: Any = None
+        self.address = ""  # trainer rank 0's: the engines' update groups meet at its store
+        self.store_port = 0
+        # Direct engines (SGLang, vLLM) receive on their device: NCCL on GPUs, as on separate rollout ranks; an
+        # engine fed through update_weights receives in its process, on the CPU (gloo).
+        self.group_backend = self.comms.backend if self.direct else "gloo"
         self.joins = 0
         self.run_dir = ctx.run_dir
-        # Rank 0 may take a timeout per engine lost in a step (its silence), one more waiting for an engine to join
-        # and one for a stuck step, on top of the generation: the other trainer ranks wait for their share that long.
+        # Rank 0 may take a timeout per engine lost in a step (its silence), one for a stuck step and one wait for an
+        # engine to join (:meth:`join_wait_s`), on top of the generation: the other trainer ranks wait that long.
         engines = ctx.job.rollout.engines + ctx.job.resources.spare_nodes * ctx.plan.ranks_per_node
-        self.share_timeout = self.comms.timeout * (engines + 3)
+        self.share_timeout = self.comms.timeout * (engines + 2) + max(self.comms.timeout,
+                                                                      ctx.job.resources.startup_timeout_s)
         self.pending_joins: list[Link] = []  # connected during a step: admitted at its end
         self.step_counts: dict[str, float] = {}  # rollout/engines & co. of the step just gathered
         if self.leader:
@@ -59,6 +65,7 @@ class ElasticTrainer(SeparateTrainer):
         address = resolve_address(mode)
         timeout = self.comms.timeout
         self.store, store_port = host_store(address, f"{run_id}/elastic-weights", 1, timeout)
+        self.address, self.store_port = address, store_port
         fd, port = listen_seeded(address, f"{run_id}/elastic-channel", what="the elastic channel")
         secret = job_token(ctx.run_dir / ".milehpc", name=SECRET_FILE)
         self.hub = Hub(fd, secret, timeout)
@@ -77,15 +84,16 @@ class ElasticTrainer(SeparateTrainer):
 
     # ---- engines joining and leaving ----------------------------------------------------------------------
     def admit(self, link: Link) -> bool:
-        """A new engine: its own weight-sync group (a fresh prefix of the trainer's store) and the current weights.
+        """A new engine: its own weight-update group (a fresh name on the trainer's store) and the current weights.
         False (and the engine dropped) when it fails meanwhile."""
         assert self.hub is not None
         self.joins += 1
-        prefix = f"elastic/engine-{link.engine}/join-{self.joins}"
+        name = f"milehpc_elastic_e{link.engine}_j{self.joins}"  # never reused: nothing of an old group mixes in
         try:
-            if not self.hub.send(link, ("group", prefix)):
+            if not self.hub.send(link, ("group", self.address, self.store_port, name, self.group_backend)):
                 raise RuntimeFailure("it cannot be written to")
-            link.group = ew.make_group(self.store, prefix, 0, self.comms.timeout)
+            link.group = ew.trainer_group(self.store, name, self.group_backend, self.comms.timeout,
+                                          device=self.comms.device)
             self.hub.add(link)
             if self.latest is not None:
                 self._send_weights([link], *self.latest)
@@ -102,17 +110,28 @@ class ElasticTrainer(SeparateTrainer):
         if not link.alive and link.serial not in self.hub.links:
             return
         self.hub.drop(link)
+        if link.group is not None:
+            ew.drop_group(link.group)
+            link.group = None
         with open(self.run_dir / LOST_FILE, "a") as f:  # the job script starts a spare node's engines
             f.write(f"{link.host}\n")
         where = f"during step {step}: its {prompts} unfinished prompt(s) go to the others" if step is not None else ""
         print(f"milehpc: elastic rollout: lost {link.name}: {why}; {len(self.hub.live())} engine(s) left"
               f"{'; ' + where if where else ''}", flush=True)
 
+    def join_wait_s(self) -> float:
+        """How long to wait for an engine when none is live. The first ones, and a spare node's, are starting (a model
+        to load, an SGLang or vLLM engine to start: far longer than a collective), so the job's start-up timeout;
+        without spare nodes, an engine lost mid-run does not come back: the collective timeout."""
+        res = self.job.resources
+        return res.startup_timeout_s if self.joins == 0 or res.spare_nodes else self.comms.timeout
+
     def take_joins(self, *, block: bool) -> None:
-        """Admit every engine that connected (``block``: wait for one, up to the collective timeout, when none is
+        """Admit every engine that connected (``block``: wait for one, up to :meth:`join_wait_s`, when none is
         live)."""
         assert self.hub is not None
-        deadline = time.monotonic() + self.comms.timeout
+        wait_s = self.join_wait_s()
+        deadline = time.monotonic() + wait_s
         while True:
             while True:
                 ev = self.hub.next_event(0)
@@ -122,8 +141,8 @@ class ElasticTrainer(SeparateTrainer):
             if not block or self.hub.live():
                 return
             if time.monotonic() > deadline:
-                raise RuntimeFailure(f"no rollout engine joined trainer rank 0 within {self.comms.timeout:.0f} s "
-                                     f"(none is left)")
+                raise RuntimeFailure(f"no rollout engine joined trainer rank 0 within {wait_s:.0f} s (none is "
+                                     f"{'left' if self.joins else 'up: resources.startup_timeout_s'})")
             ev = self.hub.next_event(WAIT_SLICE_S)
             if ev is not None:
                 self._handle_outside_step(ev)
@@ -175,6 +194,7 @@ class ElasticTrainer(SeparateTrainer):
                         progress = time.monotonic()
                 else:
                     self.pending_joins.append(ev[1])
+                    print(f"milehpc: elastic rollout: {ev[1].name} connected; it joins after step {step}", flush=True)
             elif ev[0] == "lost":
                 link = ev[1]
                 if link in self.pending_joins:
@@ -238,33 +258,47 @@ class ElasticTrainer(SeparateTrainer):
 
             export = TimedExport(self.trainer.export_weights())
             if self.leader:
-                meta, buf = ew.pack(export)
-                self.latest = (version, meta, buf)
+                from milehpc.config.job import sync_bucket_bytes
+
+                self.latest = (version, ew.pack(export, sync_bucket_bytes(self.job)))
                 assert self.hub is not None
                 self.take_joins(block=False)
-                self._send_weights(self.hub.live(), version, meta, buf)
+                self._send_weights(self.hub.live(), version, self.latest[1])
             else:
                 export.drain()
             self.export_s = export.seconds
         return time.perf_counter() - t0
 
-    def _send_weights(self, links: list[Link], version: int, meta: ew.Meta, buf: Any) -> None:
-        """Announce and broadcast ``version`` to each of ``links`` at once; an engine that fails it is lost."""
-        started = []
+    def _send_weights(self, links: list[Link], version: int, buckets: ew.Buckets) -> None:
+        """Announce ``version`` to each of ``links``, then broadcast it bucket by bucket to all of them at once; an
+        engine that fails it is lost (the others go on)."""
+        from milehpc.comm.collectives import collective_device
+
+        assert self.hub is not None
+        metas = [meta for meta, _ in buckets]
+        going = []
         for link in links:
-            if not self.hub.send(link, ("weights", version, meta)):  # type: ignore[union-attr]
+            if self.hub.send(link, ("weights", version, metas)):
+                going.append(link)
+            else:
                 self.lose(link, "it cannot be written to")
-                continue
-            try:
-                started.append((link, ew.start_broadcast(link.group, buf)))
-            except RuntimeError as err:
-                self.lose(link, f"weight sync failed: {err}")
-        for link, work in started:
-            try:
-                ew.wait(work, self.comms.timeout, f"weight sync {version} to {link.name}")
-                link.version = version
-            except RuntimeFailure as err:
-                self.lose(link, str(err))
+        for k, (_, flat) in enumerate(buckets):
+            started = []
+            for link in going:
+                try:  # NCCL takes the bucket from the trainer's device; gloo the CPU copy itself (kept till done)
+                    buf = flat.to(collective_device(link.group))
+                    started.append((link, ew.start_broadcast(link.group, buf), buf))
+                except RuntimeError as err:
+                    self.lose(link, f"weight sync failed: {err}")
+            for link, work, _ in started:
+                try:
+                    ew.wait(work, self.comms.timeout, f"weight sync {version} (bucket {k + 1} of {len(buckets)}) "
+                                                      f"to {link.name}")
+                except RuntimeFailure as err:
+                    self.lose(link, str(err))
+            going = [link for link in going if link.alive]
+        for link in going:
+            link.version = version
 
     def stop_rollouts(self) -> None:
         if self.hub is not None:
