@@ -1,11 +1,17 @@
 """A calculator-tool agent written against the plain OpenAI chat API: milehpc trains it unmodified
 (``[rollout] generator = "agent"``, ``generator_params.agent = "agent_calculator:run"``; see agent-calculator.toml).
 
-The policy is asked an addition. It may call the ``calc`` tool (the environment: it evaluates the question it was
-given and answers with the sum); then it answers. Reward: half for a well-formed ``calc`` call, half for the right
-final answer (partial credit per right digit). What the CPU demo learns is the call alone: its warm-up imitates the
-call, and after the tool's result the policy calls again rather than answer (measured: no right answer in 30 steps
-of 64 episodes; the reward's rise, 0.23 -> 0.47, is the call's half).
+The policy is asked an addition with a one-digit sum. It may call the ``calc`` tool (the environment: it evaluates
+the question it was given and replies with the sum); then it answers. The reward is 1 for the right answer after a
+call, 0 otherwise: an answer given without the call earns nothing, the task is the tool's use.
+
+The warm-up (``trainer.sft_warmup_steps``) imitates demonstrations of two ways to answer: for 55 of the 200 prompts
+(each with probability ``call_share`` = 0.3) the whole exchange (the call, the tool's reply, the answer; the tool's
+text masked from the loss), for the rest the answer at once. After it the policy calls in about a quarter of the
+episodes and, when it calls, reads the answer from the tool's reply (with a tool replying the sum plus 3, mod 10, the
+answer after a call was the tool's in 0.17 of the episodes and the true sum in 0.02, of 0.25 that called); RL then
+raises the calls and with them the right answers. tests/test_agent_learns.py (14 steps of 64 episodes, means of the
+first and last 5 steps), four runs: tool calls 0.48-0.51 -> 0.89-0.91, right answers 0.38-0.42 -> 0.74-0.82.
 """
 
 from __future__ import annotations
@@ -22,12 +28,6 @@ def evaluate(question: str) -> str:
     """The sum the question asks for (the tool's side: it reads the expression itself)."""
     a, b = (int(x) for x in re.findall(r"\d+", question)[:2])
     return str(a + b)
-
-
-def digits_right(answer: str, expected: str) -> float:
-    """Fraction of the expected digits the answer has in place."""
-    got = answer.strip()
-    return sum(x == y for x, y in zip(got, expected, strict=False)) / max(len(expected), len(got), 1)
 
 
 # ---- the CPU demo's tokenizer and prompts (a real model's tokenizer and data replace these on a GPU) ----
@@ -59,17 +59,24 @@ def build_tokenizer(folder: str) -> str:
     return folder
 
 
-def write_prompts(path: str, count: int = 200, seed: int = 0) -> str:
-    """``count`` additions ``a+b=`` (one digit each) as chat prompts; the label is the demonstration of a tool
-    call (what ``trainer.sft_warmup_steps`` imitates before RL takes over)."""
+def write_prompts(path: str, count: int = 200, seed: int = 0, call_share: float = 0.3) -> str:
+    """``count`` additions ``a+b=`` with a one-digit sum (each sum equally likely), as chat prompts; the label is
+    a demonstration of the whole exchange (the call, the tool's reply, the answer; tool text masked from the loss)
+    for a ``call_share`` of them, of an answer given at once (no call) for the rest: what
+    ``trainer.sft_warmup_steps`` imitates before RL takes over."""
     import json
     import random
 
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(count):
-            q = f"{rng.randrange(10)}+{rng.randrange(10)}="
-            f.write(json.dumps({"prompt": [{"role": "user", "content": q}], "label": CALL}) + "\n")
+            total = rng.randrange(10)
+            a = rng.randrange(total + 1)
+            q = f"{a}+{total - a}="
+            answer = {"role": "assistant", "content": evaluate(q)}
+            label = ([{"role": "assistant", "content": CALL}, {"role": "tool", "content": evaluate(q)}, answer]
+                     if rng.random() < call_share else [answer])
+            f.write(json.dumps({"prompt": [{"role": "user", "content": q}], "label": label}) + "\n")
     return path
 
 
@@ -89,9 +96,8 @@ async def run(client: Any, sample: dict[str, Any], *, max_turns: int = 2) -> dic
         called = True
         for call in calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": evaluate(question)})
-    expected = evaluate(question)
-    score = 0.5 * called + 0.5 * (digits_right(answer, expected) if called else 0.0)
-    return {"reward": score, "tool_call": float(called), "correct": float(answer.strip() == expected)}
+    correct = called and answer.strip() == evaluate(question)
+    return {"reward": float(correct), "tool_call": float(called), "correct": float(correct)}
 
 
 if __name__ == "__main__":

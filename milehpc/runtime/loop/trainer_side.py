@@ -45,8 +45,10 @@ class TrainerSide:
 
     # -- SFT warm-up --
     def sft_batches(self) -> Iterator[list[Sample]]:
-        """This DP rank's labelled samples for each warm-up step (prompt + label + EOS, all trained on)."""
+        """This DP rank's labelled samples for each warm-up step (:func:`~milehpc.runtime.loop.sft_samples.sft_sample`:
+        a text label all trained on; a multi-turn one with its non-assistant messages masked)."""
         from milehpc.data.source import build_source
+        from milehpc.runtime.loop.sft_samples import sft_sample
 
         job = self.job
         source: Any
@@ -59,9 +61,7 @@ class TrainerSide:
         per_step = job.rollout.prompts_per_step * job.rollout.n_samples
         for _ in range(job.trainer.sft_warmup_steps):
             prompts = source.take(per_step)[self.dp_rank::self.dp_size]
-            yield [Sample(prompt_ids=p.ids, response_ids=[*self.tokenizer.encode(str(p.label)), self.tokenizer.eos_id],
-                          group=p.index, index=p.index, label=p.label, prompt_text=p.text, metadata=dict(p.metadata))
-                   for p in prompts]
+            yield [sft_sample(self.tokenizer, p, file=job.data.source, field=job.data.label_key) for p in prompts]
 
     def warmup(self) -> None:
         """The supervised warm-up (once per run: a resumed run skips it), then the KL reference is frozen."""
