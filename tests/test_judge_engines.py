@@ -27,6 +27,19 @@ WORDS = ["<pad>", "<s>", "</s>", *"0123456789", *"abcdefghij", ":", "="]  # the 
 TEMPLATE = "{prompt} {response} :"
 
 
+@pytest.fixture(autouse=True)
+def _no_scorer_left_behind():
+    """Each test's loaded scorers (judges with their engines, RMs) shut down and forgotten after it: no later test
+    in this worker finds them cached."""
+    yield
+    from milehpc.rewards.model_scorers import _LOADED
+
+    for scorer in list(_LOADED.values()):
+        if hasattr(scorer, "shutdown"):
+            scorer.shutdown()
+    _LOADED.clear()
+
+
 def _cli(*args: str):
     return CliRunner().invoke(cli, list(args))
 
@@ -78,9 +91,10 @@ def qwen2_folder(tmp_path: Path) -> Path:
     ('engine = "sglang", engine_options = { bogus = 1 }', "reward.params.engine_options.bogus",
      "unknown parameter"),
     ('engine = "sglang", engine_options = { server_args = { model_path = "x" } }',
-     "reward.params.engine_options.server_args.model_path", "set by milehpc for the judge"),
+     "reward.params.engine_options.server_args.model_path",
+     "set by milehpc from reward.params.path; change that instead"),
     ('engine = "vllm", engine_options = { kv_cache_gib = -1 }', "reward.params.engine_options.kv_cache_gib",
-     "expected"),
+     "expected a value >= 0.01, got -1.0"),
 ])
 def test_bad_judge_engines_are_one_line(qwen2_folder: Path, tmp_path: Path, judge: str, field: str,
                                         expect: str) -> None:
@@ -263,6 +277,17 @@ def test_colocated_rm_is_off_the_device_while_the_engine_generates(rm_folder: Pa
     assert full > 0 and held_while_generating == [0, 0], (full, held_while_generating)
     assert rm.weights.resident_bytes() == 0  # off the device again once it has scored
     assert all(m["reward/offloaded_gib"] == full / 2**30 and m["time/rm_onload"] >= 0 for m in metrics), metrics
+    # an evaluation between steps scores with the RM put back, and leaves it off the device again
+    from dataclasses import replace
+
+    from milehpc.rollout.evaluate import Evaluator
+
+    val = tmp_path / "val.jsonl"  # prompts of a file: scored by the job's reward, the RM
+    val.write_text("".join(json.dumps({"prompt": f"rev:{n}=", "label": str(n)[::-1]}) + "\n" for n in (12, 345)))
+    evaluator = Evaluator(replace(job, data=replace(job.data, val_source=str(val))), side.tokenizer)
+    results = evaluator.run(engine)
+    assert len(results) == 2 and all(r.greedy is not None and r.greedy != 0.0 for r in results), results
+    assert rm.weights.resident_bytes() == 0
     # the restored RM scores as a fresh load does: every reward is the RM's own logit
     samples = [s for g in groups for s in g]
     _LOADED.clear()

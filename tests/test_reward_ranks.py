@@ -123,7 +123,9 @@ def test_colocated_reward_model_adds_no_ranks_and_counts_in_the_rollout_rank(rm_
     without = {r["item"]: r["bytes"] for r in base["memory"] if r["rank"] == "rollout"}
     # off the device while the engine generates: in the KV cache's place (tests/test_judge_engines.py: max, not sum)
     assert "KV cache | reward model" in rollout and "KV cache" in without and "KV cache" not in rollout
-    assert rollout["total"] > without["total"]
+    assert rollout["KV cache | reward model"] == max(without["KV cache"], rollout["KV cache | reward model"])
+    assert rollout["total"] == without["total"] - without["KV cache"] + rollout["KV cache | reward model"]
+    assert rollout["total"] > without["total"]  # this RM is larger than the cache
 
 
 @pytest.mark.parametrize(("sets", "field", "expect"), [

@@ -160,7 +160,10 @@ def test_a_sync_that_changes_the_vision_tower_reaches_sglang(engine, vl):
     from sglang_real import leave_sync_group, sync_over_gloo
 
     from milehpc.models_vl import vision_parameter
+    from milehpc.rollout.engine import SamplingParams
 
+    # the images seen before the sync, whatever ran before this test: a cache that outlived it would serve them
+    engine.generate(vl["prompts"], SamplingParams(temperature=0.0, max_new_tokens=1, images=vl["images"]))
     model = perturbed(hf_model(vl["folder"]), vision_parameter, seed=1)
     named = [(n, t.detach().contiguous()) for n, t in model.state_dict().items()]
     assert any(n.startswith("model.visual.") for n, _ in named)

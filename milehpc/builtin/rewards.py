@@ -221,4 +221,4 @@ def milehpc_rewards() -> Iterator[RewardFunction]:
                          schema=ClassifierParams,
                          description="a learned classifier RM (AutoModelForSequenceClassification, local folder)")
     yield RewardFunction(name="judge", impl="milehpc.rollout.judge:judge", kind="batch", schema=JudgeParams,
-                         description="a generative judge on the reference engine: template in, parsed grade out")
+                         description="a generative judge on an engine plugin: template in, parsed grade out")

@@ -92,8 +92,14 @@ def check_judge_engine(engine: str, options: dict[str, Any], *, file: str | None
         except ConfigError as err:  # the engine's own check names rollout.options: name the judge's field
             field = (err.field or "rollout.options").replace("rollout.options", where, 1)
             message = err.message
-            if message.startswith("set by milehpc"):  # a server arg milehpc derives: the judge's, not the job's
-                message = "set by milehpc for the judge (from its path, tokenizer and seed, one engine on one device)"
+            if message.startswith("set by milehpc from "):  # a server arg milehpc derives: from the judge's fields
+                source = message.removeprefix("set by milehpc from ").removesuffix("; change that instead")
+                ours = {"model.path": f"{prefix}.path", "model.tokenizer": f"{prefix}.tokenizer",
+                        "run.seed": f"{prefix}.seed"}.get(source)
+                if ours is None and source.startswith("rollout.options"):
+                    ours = source.replace("rollout.options", where, 1)
+                message = (f"set by milehpc from {ours}; change that instead" if ours else
+                           "set by milehpc for the judge (one engine on one device)")
             raise ConfigError(message, file=file, field=field) from None
 
 

@@ -22,7 +22,8 @@ import logging
 import math
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,9 @@ class DeviceWeights:
         for name, t in self._tensors():
             if name not in self.host:
                 self.device[name] = t.device
-                self.host[name] = t.detach().to("cpu").pin_memory() if t.is_cuda else t.detach()
+                # one pinned host copy, written straight from the device (no pageable copy on the way)
+                self.host[name] = (torch.empty_like(t, device="cpu", pin_memory=True).copy_(t.detach()) if t.is_cuda
+                                   else t.detach())
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         self.released = True
         if any(d.type == "cuda" for d in self.device.values()):
@@ -147,6 +150,20 @@ def release_models() -> int:
     with _LOCK:
         held = list(_LOADED.values())
     return sum(m.release() for m in held if hasattr(m, "release"))
+
+
+@contextmanager
+def models_on_device() -> Iterator[None]:
+    """The released model scorers back on the device for a scoring outside a step's generate-and-score (the
+    evaluation), and off again after it; nothing where this process colocates none."""
+    if not colocated_here():
+        yield
+        return
+    restore_models()
+    try:
+        yield
+    finally:
+        release_models()
 
 
 def restore_models() -> None:

@@ -198,7 +198,10 @@ class Evaluator:
                 s.response_text = self.tokenizer.decode(s.response_ids)
         scored = [s for s in out if s.reward is None]
         if scored:
-            self.scorer.score(scored)
+            from milehpc.rewards.model_scorers import models_on_device
+
+            with models_on_device():  # a colocated reward model is off the device between steps
+                self.scorer.score(scored)
         return out
 
     @staticmethod

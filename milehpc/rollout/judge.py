@@ -7,8 +7,12 @@ The judge generates on an engine plugin, the one its ``engine`` names: ``referen
 LM) in this process; any other (``sglang``, ``vllm``, a third party's) is built by the plugin's own factory, exactly
 as a rollout rank builds its engine (``impl(ctx)``), from a context of one engine on this process's device whose
 job is the judge's folder, tokenizer and ``engine_options`` (that engine's ``rollout.options``, checked on the login
-node by :func:`milehpc.config.reward_model.check_judge_engine`). So the judge's SGLang is started, watched,
-restarted and budgeted (``cpu_memory_gib``, ``mem_fraction_static``; vLLM's ``kv_cache_gib``) as the policy's is."""
+node by :func:`milehpc.config.reward_model.check_judge_engine`). So the judge's SGLang is started and budgeted
+(``cpu_memory_gib``, ``mem_fraction_static``; vLLM's ``kv_cache_gib``) as the policy's is; a judge engine that dies
+is not restarted (its samples fail and are counted, as any scorer failure is).
+
+The reference judge runs on the CPU, as before engines were pluggable, unless it shares its rank's device with the
+rollout engine (``[reward_model] colocate = "rollout"``), where it is released while that engine generates."""
 
 from __future__ import annotations
 
@@ -61,9 +65,12 @@ def plugin_engine(engine: str, options: dict[str, Any], folder: Path, tokenizer:
     job = job_from_dict({"name": "judge", "model": {"path": str(folder), "tokenizer": tokenizer},
                          "rollout": {"engine": engine, "options": opts}, "run": {"seed": seed},
                          "resources": {"colocate": colocated}}, file="<judge>")
+    import torch
+
     gpu = device is not None
+    vendor = ("amd" if torch.version.hip else "nvidia") if gpu else "none"
     plan = Plan(job_name="judge", site="", partition="", nodes=1, ranks_per_node=1, world_size=1, colocated=False,
-                device_vendor="nvidia" if gpu else "none", backend="nccl" if gpu else "gloo", gpus_per_rank=int(gpu),
+                device_vendor=vendor, backend="nccl" if gpu else "gloo", gpus_per_rank=int(gpu),
                 trainer_ranks=0, tp=1, pp=1, dp=1, ep=1, rollout_first=0, rollout_ranks=1, engines=1,
                 gpus_per_engine=1)
     ctx = RunContext(job, plan, _OneRank(device=device), run_dir=Path.cwd())  # type: ignore[arg-type]
@@ -89,7 +96,9 @@ class Judge:
             from milehpc.rollout.reference import ReferenceEngine
 
             model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
-            self.engine = ReferenceEngine(model, self.tokenizer, device=_device() or "cpu", seed=seed)
+            # on the GPU only beside its own rollout engine, released while that generates (module docstring)
+            device = (_device() if colocated else None) or "cpu"
+            self.engine = ReferenceEngine(model, self.tokenizer, device=device, seed=seed)
             self.weights = DeviceWeights(self.engine.model)
         else:
             self.engine = plugin_engine(engine, engine_options or {}, folder, tok_name, seed, colocated=colocated)
@@ -116,14 +125,15 @@ class Judge:
         with self.lock:
             if self.weights is not None:
                 return self.weights.release()
-            self.engine.release_memory()
+            if _device() is not None:  # on a CPU the engine has no memory saver and nothing would be freed
+                self.engine.release_memory()
             return 0
 
     def restore(self) -> None:
         with self.lock:
             if self.weights is not None:
                 self.weights.restore()
-            else:
+            elif _device() is not None:
                 self.engine.resume_memory(None)
 
     def shutdown(self) -> None:

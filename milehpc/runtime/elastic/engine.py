@@ -48,17 +48,27 @@ def _heartbeat(conn: Any, stop: threading.Event) -> None:
 
 def run_engine(run_dir: str | os.PathLike[str], engine_id: int) -> None:
     """Serve the trainer until it says stop; raises :class:`RuntimeFailure` when it is gone."""
-    from milehpc.comm.channel import connect
-    from milehpc.rollout.endpoint_auth import job_token
     from milehpc.runtime.elastic.seat import build_engine
-    from milehpc.runtime.elastic.weights import Receiver
-    from milehpc.runtime.loop.rollout_side import RolloutSide
     from milehpc.runtime.run_files import load_run_dir
 
     rdir = Path(run_dir)
     job, plan, partition = load_run_dir(rdir)
     timeout = float(job.resources.collective_timeout_s)
     engine = build_engine(job, plan, partition, rdir, engine_id)
+    try:
+        _serve(job, rdir, engine, engine_id, timeout)
+    finally:
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:  # an SGLang engine's processes end with it, whatever ended the serving
+            shutdown()
+
+
+def _serve(job: Any, rdir: Path, engine: Any, engine_id: int, timeout: float) -> None:
+    from milehpc.comm.channel import connect
+    from milehpc.rollout.endpoint_auth import job_token
+    from milehpc.runtime.elastic.weights import Receiver
+    from milehpc.runtime.loop.rollout_side import RolloutSide
+
     # engine_index only decides who prints the data summary (once: engine 0)
     side = RolloutSide(job, engine, engine_index=min(engine_id, 1), num_engines=2, file=str(rdir / "job.toml"))
     receiver = Receiver(job, side, engine_id, timeout)
@@ -97,6 +107,3 @@ def run_engine(run_dir: str | os.PathLike[str], engine_id: int) -> None:
     finally:
         stop.set()
         conn.close()
-        shutdown = getattr(engine, "shutdown", None)
-        if shutdown is not None:  # an SGLang/vLLM engine's processes end with it
-            shutdown()

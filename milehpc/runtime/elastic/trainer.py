@@ -263,7 +263,8 @@ class ElasticTrainer(SeparateTrainer):
                 self.latest = (version, ew.pack(export, sync_bucket_bytes(self.job)))
                 assert self.hub is not None
                 self.take_joins(block=False)
-                self._send_weights(self.hub.live(), version, self.latest[1])
+                # an engine admitted just now got this version in admit(): not twice
+                self._send_weights([ln for ln in self.hub.live() if ln.version != version], version, self.latest[1])
             else:
                 export.drain()
             self.export_s = export.seconds

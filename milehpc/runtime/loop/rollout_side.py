@@ -53,8 +53,9 @@ def generator_context(generator: Callable[..., Any], tokenizer: Any, file: str |
 
 
 class RemoteScoring(Protocol):
-    """Scoring on other ranks (:class:`milehpc.runtime.loop.reward_side.RewardClient`): generates ``prompts`` with
-    ``side`` and returns the finished groups, scored."""
+    """Scoring outside the plain generate-then-score (:class:`milehpc.runtime.loop.reward_side.RewardClient`: on
+    reward ranks; :class:`milehpc.runtime.loop.colocated_reward.ColocatedScoring`: here, the RM released while the
+    engine generates): generates ``prompts`` with ``side`` and returns the finished groups, scored."""
 
     def generate_and_score(self, side: RolloutSide, prompts: list[Any], stats: dict[str, float]) -> list[Group]: ...
 
