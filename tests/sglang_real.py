@@ -74,11 +74,12 @@ def engine_args(model: Path, **extra: Any) -> dict[str, Any]:
             "random_seed": 0, "log_level": "error", **extra}
 
 
-def sync_over_gloo(engine: Any, named: list[tuple[str, Any]], bucket_bytes: int, version: int, name: str) -> Any:
+def sync_over_gloo(engine: Any, named: list[tuple[str, Any]], bucket_bytes: int, version: int,
+                   name: str) -> tuple[Any, int]:
     """milehpc's trainer side of a separate-ranks sync into a real SGLang ``engine``: an update group of two joined
     SGLang's way (trainer rank 0 here, in a thread), one flat uint8 broadcast per bucket (what ``StageSender.send``
     does) received by the engine's ``receive_bucket``, then ``finish_update(version)``. Returns the trainer's group
-    (the caller leaves it with :func:`leave_sync_group`); the number of buckets sent is in ``engine.last_buckets``."""
+    (the caller leaves it with :func:`leave_sync_group`) and the number of buckets sent."""
     import threading
 
     import torch.distributed as dist
@@ -107,8 +108,7 @@ def sync_over_gloo(engine: Any, named: list[tuple[str, Any]], bucket_bytes: int,
         engine.receive_bucket(meta, stage=0)
         sender.join(60)
     engine.finish_update(version)
-    engine.last_buckets = len(buckets)
-    return pg
+    return pg, len(buckets)
 
 
 def leave_sync_group(engine: Any, pg: Any) -> None:

@@ -167,7 +167,7 @@ def test_a_sync_that_changes_the_vision_tower_reaches_sglang(engine, vl):
     model = perturbed(hf_model(vl["folder"]), vision_parameter, seed=1)
     named = [(n, t.detach().contiguous()) for n, t in model.state_dict().items()]
     assert any(n.startswith("model.visual.") for n, _ in named)
-    pg = sync_over_gloo(engine, named, 1 << 20, 1, "sglang-vl")
+    pg, _ = sync_over_gloo(engine, named, 1 << 20, 1, "sglang-vl")
     leave_sync_group(engine, pg)
     assert_logprobs_agree(engine, vl, model, n=1)
 
